@@ -52,7 +52,12 @@ def _train(args: argparse.Namespace) -> int:
     values = {field.name: getattr(args, field.name) for field in fields(TrainOptions)}
     flag = values["gradient_checkpointing"]
     values["gradient_checkpointing"] = {"true": True, "false": False}.get(flag, flag)
-    metrics = run(TrainOptions(**values))
+    try:
+        metrics = run(TrainOptions(**values))
+    except (FileNotFoundError, FileExistsError) as error:
+        # Bad paths are the user's to fix; a traceback would only bury the message.
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not metrics["completed"]:
         print(
             f"fastft train: stopped at step {metrics['global_step']}; checkpoint saved. "

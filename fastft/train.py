@@ -124,6 +124,7 @@ def run(options: TrainOptions) -> dict:
     output = Path(options.output)
     output.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(options.dtype)
+    rows = load_rows(options.data)  # a bad --data fails here, before minutes of model loading
     model, tokenizer = FastModel.from_pretrained(
         options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
     )
@@ -135,7 +136,7 @@ def run(options: TrainOptions) -> dict:
         use_gradient_checkpointing=options.gradient_checkpointing,
         random_state=options.seed,
     )
-    dataset = to_sft_rows(load_rows(options.data), tokenizer)
+    dataset = to_sft_rows(rows, tokenizer)
     config = sft_config(
         str(output),
         dtype,

@@ -1,0 +1,108 @@
+"""The `fastft` command: doctor, and a training run that is killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FASTFT = [sys.executable, "-m", "fastft.cli"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_doctor_reports_versions_device_and_patches():
+    result = subprocess.run([*FASTFT, "doctor"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for name in ("python", "torch", "triton", "transformers", "peft", "trl", "bitsandbytes"):
+        assert f"  {name} " in out, name
+    assert "device        cpu" in out
+    assert "patch report" in out
+
+
+def test_version_flag():
+    from fastft import __version__
+
+    result = subprocess.run([*FASTFT, "--version"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.stdout.strip() == f"fastft {__version__}"
+
+
+def _wait_for_complete_checkpoint(output: Path, process: subprocess.Popen, timeout: float = 600) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = sorted(output.glob("checkpoint-*/trainer_state.json"))
+        if done:
+            return done[0].parent
+        if process.poll() is not None:
+            pytest.fail(f"training ended (rc {process.returncode}) before the first checkpoint")
+        time.sleep(0.02)
+    pytest.fail("no checkpoint appeared in time")
+
+
+def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path):
+    output = tmp_path / "run"
+    steps = 30
+    command = [
+        *FASTFT,
+        "train",
+        "--model",
+        str(tiny_llama_dir),
+        "--output",
+        str(output),
+        "--max-steps",
+        str(steps),
+        "--save-steps",
+        "3",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--lr",
+        "3e-2",
+        "--warmup-steps",
+        "0",
+    ]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    checkpoint = _wait_for_complete_checkpoint(output, first)
+    first.send_signal(signal.SIGKILL)
+    first_log = first.communicate(timeout=60)[0].decode(errors="replace")
+    assert first.returncode == -signal.SIGKILL, "the first run must be killed mid-way, not finish"
+    assert not (output / "metrics.json").exists()
+    assert "it/s" in first_log or "s/it" in first_log, "training shows a progress bar"
+
+    # Without --resume the run refuses to overwrite the checkpoints it would lose.
+    refused = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=_env(), timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["completed"] is True
+    assert metrics["resumed_from"] is not None
+    assert int(metrics["resumed_from"].split("-")[1]) >= int(checkpoint.name.split("-")[1])
+    assert [row["step"] for row in metrics["steps"]] == list(range(1, steps + 1))
+    assert metrics["loss_fell"] is True
+    assert (output / "adapter_model.safetensors").exists()
+    assert (output / "adapter_config.json").exists()
+    assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_bad_data_path_is_named(tiny_llama_dir, tmp_path):
+    result = subprocess.run(
+        [*FASTFT, "train", "--model", str(tiny_llama_dir), "--output", str(tmp_path / "o"), "--data", "nope.jsonl"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert result.returncode != 0
+    assert "nope.jsonl does not exist" in result.stderr

@@ -1,0 +1,42 @@
+"""The installed package: fastft.kernels exists, a top-level `kernels` module does not."""
+
+import subprocess
+import sys
+
+import fastft
+
+
+def test_version_is_exposed():
+    assert isinstance(fastft.__version__, str) and fastft.__version__[0].isdigit()
+
+
+def test_kernels_ship_only_as_fastft_kernels(tmp_path):
+    # Run outside the repository, so the checkout's kernels/ folder is not on sys.path.
+    probe = (
+        "import importlib.util, sys\n"
+        "import fastft.kernels\n"
+        "assert fastft.kernels.__file__.endswith('kernels/__init__.py'), fastft.kernels.__file__\n"
+        "try:\n"
+        "    import kernels\n"
+        "except ModuleNotFoundError:\n"
+        "    print('no top-level kernels')\n"
+        "else:\n"
+        "    import importlib.metadata as md\n"
+        "    try:\n"
+        "        md.distribution('kernels')\n"
+        "        print('kernels is the PyPI package')\n"  # installed on purpose by the user: not ours
+        "    except md.PackageNotFoundError:\n"
+        "        sys.exit('top-level kernels importable from ' + str(kernels.__file__))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "no top-level kernels" in result.stdout or "kernels is the PyPI package" in result.stdout
+
+
+def test_public_api_names():
+    from fastft import FastModel, ShapeContractError, patch_report
+
+    assert issubclass(ShapeContractError, ValueError)
+    for name in ("from_pretrained", "get_peft_model", "for_inference", "for_training", "save_merged"):
+        assert callable(getattr(FastModel, name))
+    assert callable(patch_report)
