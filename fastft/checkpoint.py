@@ -56,7 +56,8 @@ def _disable(model: torch.nn.Module) -> None:
     getattr(model, name)()
 
 
-def _is_on(model: torch.nn.Module) -> bool:
+def is_enabled(model: torch.nn.Module) -> bool:
+    """Whether checkpointing is on in ``model`` (any transformers version)."""
     # transformers 5.23 deprecates is_gradient_checkpointing in favour of is_activation_checkpointing.
     if hasattr(type(model), "is_activation_checkpointing"):
         return model.is_activation_checkpointing
@@ -95,7 +96,7 @@ def set_mode(model: torch.nn.Module, mode: str | None) -> None:
 
 def _apply(model: torch.nn.Module, mode: str | None) -> None:
     if mode is None:
-        if _is_on(model):
+        if is_enabled(model):
             _disable(model)
         return
     # Non-reentrant checkpointing needs no requires_grad on the (frozen) embedding output.
@@ -109,7 +110,7 @@ def get_mode(model: torch.nn.Module) -> str | None:
 
 def suspend(model: torch.nn.Module) -> None:
     """Turn checkpointing off for inference, keeping the chosen mode for :func:`resume`."""
-    if _is_on(model):
+    if is_enabled(model):
         _disable(model)
 
 

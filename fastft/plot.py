@@ -23,7 +23,16 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4), dpi=120)
-    axis.plot(steps, losses, marker="o", markersize=2.5, linewidth=1.2)
+    axis.plot(steps, losses, marker="o", markersize=2.5, linewidth=0.8, alpha=0.6, label="loss per step")
+    window = max(1, len(losses) // 10)
+    if window > 1:
+        # Small-batch losses are noisy; a trailing mean shows the trend the noise hides.
+        smooth = [
+            sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+            for i in range(len(losses))
+        ]
+        axis.plot(steps, smooth, linewidth=2.0, label=f"mean of last {window}")
+        axis.legend()
     axis.set_xlabel("step")
     axis.set_ylabel("training loss")
     axis.set_title(title)

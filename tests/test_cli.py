@@ -19,8 +19,14 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def test_doctor_reports_versions_device_and_patches():
-    result = subprocess.run([*FASTFT, "doctor"], capture_output=True, text=True, env=_env(), timeout=300)
+def _run(args: list[str], tmp_path: Path, **kwargs) -> subprocess.CompletedProcess:
+    # Run outside the checkout: `python -m` puts the working directory on sys.path, and the repository's
+    # kernels/ folder would then pose as the PyPI package `kernels` that bitsandbytes and transformers import.
+    return subprocess.run(args, capture_output=True, text=True, env=_env(), cwd=tmp_path, **kwargs)
+
+
+def test_doctor_reports_versions_device_and_patches(tmp_path):
+    result = _run([*FASTFT, "doctor"], tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     for name in ("python", "torch", "triton", "transformers", "peft", "trl", "bitsandbytes"):
@@ -29,10 +35,10 @@ def test_doctor_reports_versions_device_and_patches():
     assert "patch report" in out
 
 
-def test_version_flag():
+def test_version_flag(tmp_path):
     from fastft import __version__
 
-    result = subprocess.run([*FASTFT, "--version"], capture_output=True, text=True, env=_env(), timeout=120)
+    result = _run([*FASTFT, "--version"], tmp_path, timeout=120)
     assert result.stdout.strip() == f"fastft {__version__}"
 
 
@@ -48,14 +54,12 @@ def _wait_for_complete_checkpoint(output: Path, process: subprocess.Popen, timeo
     pytest.fail("no checkpoint appeared in time")
 
 
-def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path):
-    output = tmp_path / "run"
-    steps = 30
-    command = [
+def _train_command(model_dir: Path, output: Path, steps: int) -> list[str]:
+    return [
         *FASTFT,
         "train",
         "--model",
-        str(tiny_llama_dir),
+        str(model_dir),
         "--output",
         str(output),
         "--max-steps",
@@ -71,7 +75,13 @@ def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path)
         "--warmup-steps",
         "0",
     ]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+
+
+def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path):
+    output = tmp_path / "run"
+    steps = 30
+    command = _train_command(tiny_llama_dir, output, steps)
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
     checkpoint = _wait_for_complete_checkpoint(output, first)
     first.send_signal(signal.SIGKILL)
     first_log = first.communicate(timeout=60)[0].decode(errors="replace")
@@ -80,10 +90,10 @@ def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path)
     assert "it/s" in first_log or "s/it" in first_log, "training shows a progress bar"
 
     # Without --resume the run refuses to overwrite the checkpoints it would lose.
-    refused = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    refused = _run(command, tmp_path, timeout=600)
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=_env(), timeout=900)
+    resumed = _run([*command, "--resume"], tmp_path, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["completed"] is True
@@ -96,13 +106,39 @@ def test_train_killed_and_resumed_logs_every_step_once(tiny_llama_dir, tmp_path)
     assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_sigterm_saves_a_checkpoint_then_resume_finishes(tiny_llama_dir, tmp_path):
+    output = tmp_path / "run"
+    steps = 30
+    command = _train_command(tiny_llama_dir, output, steps)
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+    _wait_for_complete_checkpoint(output, first)
+    first.send_signal(signal.SIGTERM)
+    log = first.communicate(timeout=300)[0].decode(errors="replace")
+    assert first.returncode == 130, log[-3000:]
+    stopped = json.loads((output / "metrics.json").read_text())
+    assert stopped["completed"] is False and stopped["global_step"] < steps
+    # The stop saved the step it ended on, so nothing finished is redone.
+    assert (output / f"checkpoint-{stopped['global_step']}" / "trainer_state.json").exists()
+    assert "--resume" in log
+
+    resumed = _run([*command, "--resume"], tmp_path, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["resumed_from"] == f"checkpoint-{stopped['global_step']}"
+    assert [row["step"] for row in metrics["steps"]] == list(range(1, steps + 1))
+
+
 def test_train_bad_data_path_is_named(tiny_llama_dir, tmp_path):
-    result = subprocess.run(
-        [*FASTFT, "train", "--model", str(tiny_llama_dir), "--output", str(tmp_path / "o"), "--data", "nope.jsonl"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
+    command = [
+        *FASTFT,
+        "train",
+        "--model",
+        str(tiny_llama_dir),
+        "--output",
+        str(tmp_path / "o"),
+        "--data",
+        "nope.jsonl",
+    ]
+    result = _run(command, tmp_path, timeout=600)
     assert result.returncode != 0
     assert "nope.jsonl does not exist" in result.stderr

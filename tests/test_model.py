@@ -13,6 +13,7 @@ from conftest import randomize_lora_b, relative_error
 from peft import PeftModel
 
 from fastft import FastModel, patch_report
+from fastft.checkpoint import is_enabled
 from fastft.model import DEFAULT_TARGET_MODULES, resolve_dtype
 
 
@@ -77,7 +78,7 @@ def test_get_peft_model_wires_seven_projections(tiny_llama_dir):
     assert trainable and all("lora_" in name for name in trainable)
     # 2 layers x 7 projections x (A, B)
     assert len(trainable) == 2 * 7 * 2
-    assert peft_model.get_base_model().is_activation_checkpointing
+    assert is_enabled(peft_model.get_base_model())
     assert peft_model.config.use_cache is False
     with pytest.raises(ValueError, match="already has LoRA"):
         FastModel.get_peft_model(peft_model)
@@ -101,15 +102,16 @@ def test_checkpointing_modes_and_switches(tiny_llama_dir, mode):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     peft_model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode)
     base = peft_model.get_base_model()
-    assert base.is_activation_checkpointing is bool(mode)
-    # A Trainer asks for checkpointing at start-up; the mode chosen in get_peft_model stays.
-    base.activation_checkpointing_enable()
-    assert base.is_activation_checkpointing is bool(mode)
+    assert is_enabled(base) is bool(mode)
+    # A Trainer asks for checkpointing at start-up; the mode chosen in get_peft_model stays. The deprecated
+    # name reaches the same entry point on every transformers version.
+    base.gradient_checkpointing_enable()
+    assert is_enabled(base) is bool(mode)
     FastModel.for_inference(peft_model)
-    assert not peft_model.training and base.config.use_cache and not base.is_activation_checkpointing
+    assert not peft_model.training and base.config.use_cache and not is_enabled(base)
     FastModel.for_training(peft_model)
     assert peft_model.training and not base.config.use_cache
-    assert base.is_activation_checkpointing is bool(mode)
+    assert is_enabled(base) is bool(mode)
 
 
 def test_checkpointing_keeps_gradients(tiny_llama_dir):
