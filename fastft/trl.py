@@ -39,6 +39,7 @@ def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides
         "logging_steps": 1,
         "save_total_limit": 2,
         "dataloader_num_workers": 0,
+        "dataloader_pin_memory": on_gpu,
         "disable_tqdm": False,
     }
     # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing; trl defaults it to on.

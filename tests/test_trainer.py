@@ -28,8 +28,8 @@ def _demo_rows(count: int) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def _train(folder, dataset, tmp_path, steps, **config):
-    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=128)
+def _train(folder, dataset, tmp_path, steps, load_in_4bit=False, **config):
+    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=128, load_in_4bit=load_in_4bit)
     model = FastModel.get_peft_model(model, r=8, lora_alpha=16, random_state=5)
     args = sft_config(str(tmp_path / "out"), torch.float32, 128, max_steps=steps, save_strategy="no", seed=5, **config)
     trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
@@ -47,6 +47,21 @@ def test_sft_on_plain_text_loss_falls(tiny_llama_dir, tmp_path):
     dataset = Dataset.from_dict({"text": SENTENCES * 4})
     _, losses = _train(tiny_llama_dir, dataset, tmp_path, steps=12, learning_rate=3e-2, per_device_train_batch_size=4)
     assert len(losses) == 12
+    _assert_falls(losses)
+
+
+def test_sft_qlora_on_4bit_base_loss_falls(tiny_llama_dir, tmp_path):
+    dataset = Dataset.from_dict({"text": SENTENCES * 4})
+    model, losses = _train(
+        tiny_llama_dir,
+        dataset,
+        tmp_path,
+        steps=12,
+        load_in_4bit=True,
+        learning_rate=3e-2,
+        per_device_train_batch_size=4,
+    )
+    assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     _assert_falls(losses)
 
 
