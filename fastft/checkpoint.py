@@ -69,7 +69,7 @@ def set_mode(model: torch.nn.Module, mode: str | None) -> None:
 
     ``transformers.Trainer`` (and so trl's ``SFTTrainer``, whose config defaults to checkpointing on) calls the
     model's checkpointing entry point at start-up. That call is routed here so the mode chosen in
-    ``get_peft_model`` stays in force; the first override is logged.
+    ``get_peft_model`` stays in force; a request to turn on what the user turned off is logged as a warning.
 
     Args:
         model: The ``PreTrainedModel`` (not the peft wrapper).
@@ -81,8 +81,10 @@ def set_mode(model: torch.nn.Module, mode: str | None) -> None:
 
         def _guarded_enable(*args, **kwargs) -> None:
             chosen = getattr(model, _MODE_ATTR)
-            logger.info(
-                "fastft keeps gradient checkpointing mode %r chosen in get_peft_model (asked: %s %s).",
+            log = logger.warning if chosen is None else logger.info
+            log(
+                "fastft keeps gradient checkpointing mode %r chosen in get_peft_model(use_gradient_checkpointing=...) "
+                "over this request to enable it (%s %s).",
                 chosen,
                 args,
                 kwargs,
@@ -96,8 +98,7 @@ def set_mode(model: torch.nn.Module, mode: str | None) -> None:
 
 def _apply(model: torch.nn.Module, mode: str | None) -> None:
     if mode is None:
-        if is_enabled(model):
-            _disable(model)
+        suspend(model)
         return
     # Non-reentrant checkpointing needs no requires_grad on the (frozen) embedding output.
     getattr(model, _ORIGINAL_ATTR)({"use_reentrant": False})
