@@ -27,11 +27,7 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
     window = max(1, len(losses) // 10)
     if window > 1:
         # Small-batch losses are noisy; a trailing mean shows the trend the noise hides.
-        smooth = [
-            sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
-            for i in range(len(losses))
-        ]
-        axis.plot(steps, smooth, linewidth=2.0, label=f"mean of last {window}")
+        axis.plot(steps, _trailing_mean(losses, window), linewidth=2.0, label=f"mean of last {window}")
         axis.legend()
     axis.set_xlabel("step")
     axis.set_ylabel("training loss")
@@ -41,3 +37,11 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
     figure.savefig(path)
     plt.close(figure)
     return Path(path)
+
+
+def _trailing_mean(values: list[float], window: int) -> list[float]:
+    means, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value - (values[index - window] if index >= window else 0.0)
+        means.append(total / min(index + 1, window))
+    return means

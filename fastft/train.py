@@ -121,10 +121,10 @@ def run(options: TrainOptions) -> dict:
         the run early (a checkpoint was saved; rerun with ``resume=True``).
     """
     resume_from = _check_output(options)
+    rows = load_rows(options.data)  # a bad --data fails here, before model loading and before --output exists
     output = Path(options.output)
     output.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(options.dtype)
-    rows = load_rows(options.data)  # a bad --data fails here, before minutes of model loading
     model, tokenizer = FastModel.from_pretrained(
         options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
     )

@@ -142,3 +142,4 @@ def test_train_bad_data_path_is_named(tiny_llama_dir, tmp_path):
     result = _run(command, tmp_path, timeout=600)
     assert result.returncode != 0
     assert "nope.jsonl does not exist" in result.stderr
+    assert not (tmp_path / "o").exists(), "a refused run leaves no output folder behind"
