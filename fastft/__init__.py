@@ -6,12 +6,38 @@ The public API::
 
     model, tokenizer = FastModel.from_pretrained("smollm2-135m")
     model = FastModel.get_peft_model(model, r=16)
+
+``FastModel`` and ``patch_report`` are imported on first use, so ``import fastft.kernels`` (tensors only) does not
+pay for importing transformers and peft.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0.dev0"
 
 from fastft.contracts import ShapeContractError
-from fastft.model import FastModel
-from fastft.registry import patch_report
+
+if TYPE_CHECKING:
+    from fastft.model import FastModel
+    from fastft.registry import patch_report
+
+_LAZY = {"FastModel": "fastft.model", "patch_report": "fastft.registry"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fastft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["FastModel", "ShapeContractError", "__version__", "patch_report"]

@@ -1,9 +1,7 @@
 """Shape contracts: what each projection expects, checked early, with errors that name the module."""
 
+# The class lives in the kernel layer, which sits above this one and raises it too (a packed 4-bit weight
+# without its quant_state); defining it there keeps one class for both layers.
+from fastft.kernels.errors import ShapeContractError
 
-class ShapeContractError(ValueError):
-    """A tensor or config does not have the shape a module needs.
-
-    Raised before any forward runs, with the module's name, the expected and the actual shape, and what to
-    change. It is a ``ValueError``, so code that already catches bad input keeps working.
-    """
+__all__ = ["ShapeContractError"]

@@ -1,5 +1,5 @@
 """Triton kernels with a plain-torch reference for each (installed as ``fastft.kernels``).
 
-This layer knows tensors only: it never imports transformers or peft. The kernels themselves land with the
-kernels issue; until then every model runs the stock transformers + peft path.
+This layer knows tensors only: it never imports transformers or peft. See :mod:`fastft.kernels.dispatch` for
+which implementation a call takes.
 """

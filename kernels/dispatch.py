@@ -1,0 +1,124 @@
+"""Which implementation a kernel call takes, and the output allocator every kernel shares.
+
+CUDA tensors take the Triton kernels. CPU tensors take the plain-torch reference, unless the Triton interpreter
+was on (``TRITON_INTERPRET=1``) when this package was imported: then they take the Triton kernels too, run by the
+interpreter, which is how CI checks the kernels on a machine without a GPU. ``FASTFT_DISABLE_TRITON=1`` sends every
+call to the reference path, a switch for telling a kernel bug from an upstream one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs (macOS, Windows) run the torch references.
+    HAS_TRITON = False
+
+    class _MissingKernel:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            raise RuntimeError(
+                f"fastft.kernels: the Triton kernel {self.fn.__name__} was called but triton is not installed; "
+                "install fastft[cuda] (pip install 'fastft[cuda]') or keep the tensors on the CPU."
+            )
+
+    def _missing_jit(fn=None, **_options):
+        return _MissingKernel(fn) if fn is not None else _MissingKernel
+
+    # Enough of the triton namespace for kernel definitions (decorators, annotations) to import without it.
+    triton = SimpleNamespace(jit=_missing_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=None)
+    tl = SimpleNamespace(constexpr=None)
+
+# Kernels are decorated at import, and triton decides there whether they are interpreted: read the same switch once.
+INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_state = threading.local()
+
+
+def _forced_reference() -> bool:
+    return getattr(_state, "reference", False) or os.environ.get("FASTFT_DISABLE_TRITON", "0") == "1"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a kernel call on ``tensor`` runs the Triton kernel (True) or the torch reference (False)."""
+    if not HAS_TRITON or _forced_reference():
+        return False
+    if tensor.is_cuda:
+        return True
+    return INTERPRETED and tensor.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def force_reference() -> Iterator[None]:
+    """Run every kernel call inside the block on its torch reference, whatever the device."""
+    previous = getattr(_state, "reference", False)
+    _state.reference = True
+    try:
+        yield
+    finally:
+        _state.reference = previous
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Fill every buffer a kernel allocates inside the block with NaN (or -1 for integers).
+
+    Tests run kernels under this so that an output element the kernel forgot to write fails the comparison
+    instead of passing on whatever the allocator left there.
+    """
+    previous = getattr(_state, "poison", False)
+    _state.poison = True
+    try:
+        yield
+    finally:
+        _state.poison = previous
+
+
+def empty(shape: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs: poisoned under :func:`poison_outputs`."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if getattr(_state, "poison", False):
+        out.fill_(math.nan if out.is_floating_point() else -1)
+    return out
+
+
+def empty_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous :func:`empty` with ``tensor``'s shape and device."""
+    return empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
+
+
+def mark_overwritten(*tensors: torch.Tensor) -> None:
+    """Tell autograd a kernel wrote into these tensors behind its back.
+
+    A backward that reuses its saved inputs as gradient buffers bumps their version counters, so any other node
+    that saved the same tensor fails loudly ("modified by an inplace operation") instead of reading gradients.
+    """
+    for tensor in tensors:
+        torch.autograd.graph.increment_version(tensor)
+
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRETED",
+    "empty",
+    "empty_like",
+    "force_reference",
+    "mark_overwritten",
+    "poison_outputs",
+    "tl",
+    "triton",
+    "use_triton",
+]
