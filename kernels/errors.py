@@ -1,4 +1,4 @@
-"""The one exception the kernel layer raises for a tensor of the wrong shape, re-exported as fastft.ShapeContractError."""
+"""The exception the kernel layer raises for a tensor of the wrong shape; fastft re-exports it."""
 
 
 class ShapeContractError(ValueError):

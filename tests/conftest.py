@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
