@@ -1,5 +1,49 @@
 """Triton kernels with a plain-torch reference for each (installed as ``fastft.kernels``).
 
-This layer knows tensors only: it never imports transformers or peft. See :mod:`fastft.kernels.dispatch` for
-which implementation a call takes.
+This layer knows tensors only: it never imports transformers or peft. Each kernel comes as a public function (the
+autograd-aware entry point), its plain-torch reference, and the ``torch.autograd.Function`` behind it; see
+:mod:`fastft.kernels.dispatch` for which implementation a call takes (CUDA: Triton; CPU: the reference, or Triton
+through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
+
+==============================  ==============================================================================
+``rms_norm(x, weight, eps)``    Llama RMSNorm; gradients for x and weight.
+``apply_rope(q, k, cos, sin)``  rotate-half rotary embedding of q [b, h, s, d] and k [b, kv, s, d] in one launch;
+                                ``position_ids=`` indexes cos/sin tables for packed rows; ``inplace=``.
+``swiglu(gate, up)``            ``silu(gate) * up``; backward writes the gradients over the saved inputs.
+``fused_linear_cross_entropy``  ``(hidden, weight, labels, *, ignore_index, num_items_in_batch, chunk_size)``:
+                                causal-LM loss of ``hidden @ weight.T`` without the [tokens, vocab] logits.
+``dequantize_nf4(packed, qs)``  bitsandbytes NF4 weight to dense [out, in], bit-identical to bitsandbytes.
+``nf4_linear(x, packed, qs)``   ``x @ W.T`` over an NF4 weight, dequantised again in backward (never saved).
+==============================  ==============================================================================
 """
+
+from fastft.kernels.cross_entropy import (
+    FusedLinearCrossEntropyFunction,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.nf4 import NF4LinearFunction, dequantize_nf4, dequantize_nf4_reference, nf4_linear
+from fastft.kernels.rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
+from fastft.kernels.rope import RoPEFunction, apply_rope, rope_reference
+from fastft.kernels.swiglu import SwiGLUFunction, swiglu, swiglu_reference
+
+__all__ = [
+    "FusedLinearCrossEntropyFunction",
+    "NF4LinearFunction",
+    "RMSNormFunction",
+    "RoPEFunction",
+    "ShapeContractError",
+    "SwiGLUFunction",
+    "apply_rope",
+    "dequantize_nf4",
+    "dequantize_nf4_reference",
+    "fused_linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "nf4_linear",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope_reference",
+    "swiglu",
+    "swiglu_reference",
+]

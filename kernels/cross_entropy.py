@@ -1,0 +1,438 @@
+"""Fused linear cross-entropy: the causal-LM loss of ``hidden @ weightᵀ`` without the [tokens, vocab] logits.
+
+The LM head of a 49k-vocabulary model on 4096 tokens produces 4096 × 49152 fp32 logits (805 MB), and the stock
+loss saves them (or their log-softmax) for backward. Here the tokens are processed in chunks: each chunk's logits are
+computed into one reused buffer, a row kernel turns them into the row losses and, in place, into each row's gradient
+softmax − onehot (zero for ignored rows), and two matmuls fold that gradient into ``d hidden`` and ``d weight`` right
+away. Backward then only scales the two saved gradients by ``grad_output`` / N (N: the non-ignored count or
+``num_items_in_batch``); nothing of size [tokens, vocab] outlives the chunk that made it.
+
+Semantics follow transformers' ``ForCausalLMLoss`` / ``fixed_cross_entropy`` (5.x): logits in fp32; the mean over
+non-ignored tokens, or the sum divided by ``num_items_in_batch`` when it is given (what makes gradient accumulation
+exact). Labels are taken as already aligned with ``hidden``: the caller shifts them.
+
+Deliberate differences from ``F.cross_entropy``:
+
+- every label ignored (and no ``num_items_in_batch``): the loss is 0.0 with zero gradients, not NaN. A batch of pure
+  padding or prompt tokens then leaves the weights alone instead of poisoning them.
+- a label outside [0, vocab) that is not ``ignore_index`` raises :class:`ShapeContractError` before any matmul. On
+  CUDA torch would trip a device-side assert that kills the CUDA context, and a Triton row kernel would read past the
+  row; the check costs one reduction over the labels and one host sync per call, noise next to the LM-head matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.errors import ShapeContractError
+
+# Bound on one chunk's fp32 logits. 256 MiB keeps the GEMMs hundreds of rows tall (1024 rows at a 49k vocabulary,
+# 512 at Llama 3's 128k), which is where they reach full speed on a GPU, while staying a small fraction of what the
+# unchunked logits cost (805 MB for 4096 tokens × 49152 in fp32, 8.4 GB for 16k tokens × 128k).
+LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
+# Vocabulary columns one Triton program handles per step of its loop over the row.
+_MAX_BLOCK = 4096
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    labels_ptr,
+    loss_ptr,
+    n_cols,
+    ignore_index,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: its loss (lse − target logit) and, if asked, softmax − onehot over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    grad_row = grad_ptr + row * grad_row_stride
+    label = tl.load(labels_ptr + row)
+    offsets = tl.arange(0, BLOCK)
+
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        if WRITE_GRAD:
+            for start in range(0, n_cols, BLOCK):
+                cols = start + offsets
+                tl.store(
+                    grad_row + cols,
+                    tl.zeros([BLOCK], dtype=tl.float32).to(grad_ptr.dtype.element_ty),
+                    mask=cols < n_cols,
+                )
+        return
+
+    # Online log-sum-exp: one read of the row instead of a max pass and a sum pass.
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        x = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        # Every block holds at least one real column, so new_max is finite and exp(-inf - new_max) is a clean 0.
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    # Read before the gradient pass below overwrites the row (the gradient may be written in place).
+    target = tl.load(logits_row + label).to(tl.float32)
+    tl.store(loss_ptr + row, lse - target)
+
+    if WRITE_GRAD:
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            mask = cols < n_cols
+            x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            prob = tl.exp(x - lse)
+            grad = tl.where(cols == label, prob - 1.0, prob)
+            tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _cross_entropy_rows_triton(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    loss_out: torch.Tensor,
+    write_grad: bool,
+) -> None:
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block = min(_MAX_BLOCK, triton.next_power_of_2(n_cols))
+    _cross_entropy_rows_kernel[(n_rows,)](
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        labels,
+        loss_out,
+        n_cols,
+        ignore_index,
+        WRITE_GRAD=write_grad,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )
+
+
+def _cross_entropy_rows_torch(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    loss_out: torch.Tensor,
+    write_grad: bool,
+) -> None:
+    """The row kernel in torch ops: same outputs; ``logits`` is scratch (overwritten, in place, like the kernel).
+
+    torch.logsumexp would allocate a second [rows, vocab] temporary; exponentiating in place keeps the transient
+    memory of the CPU path at the one chunk buffer.
+    """
+    valid = labels != ignore_index
+    safe_labels = labels.masked_fill(~valid, 0)
+    target = logits.gather(1, safe_labels.unsqueeze(1)).squeeze(1)
+    row_max = logits.amax(dim=1, keepdim=True)
+    exps = logits.sub_(row_max).exp_()
+    row_sum = exps.sum(dim=1, keepdim=True)
+    lse = (row_max + row_sum.log()).squeeze(1)
+    loss_out.copy_((lse - target).masked_fill_(~valid, 0.0))
+    if not write_grad:
+        return
+    probs = exps.div_(row_sum)
+    probs.scatter_add_(1, safe_labels.unsqueeze(1), valid.to(probs.dtype).neg_().unsqueeze(1))
+    probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+    if grad is not probs:
+        grad.copy_(probs)
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+    """Rows per chunk: the largest power of two whose fp32 logits fit :data:`LOGITS_CHUNK_BYTES`, at most the tokens.
+
+    Args:
+        num_tokens: Tokens in the call (all leading dimensions of ``hidden`` multiplied).
+        vocab_size: Rows of the LM-head weight.
+
+    Returns:
+        A chunk size of at least 1.
+    """
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * max(1, vocab_size)))
+    rows = 1 << (rows.bit_length() - 1)
+    return max(1, min(rows, num_tokens))
+
+
+def _validate(
+    name: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the inputs and return hidden as [T, H] and labels as contiguous int64 [T]."""
+    if weight.dim() != 2:
+        raise ShapeContractError(
+            f"{name}: weight must be the LM head [vocab, hidden], got shape {tuple(weight.shape)}; "
+            "pass lm_head.weight (nn.Linear stores [out_features, in_features])."
+        )
+    vocab, width = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != width:
+        raise ShapeContractError(
+            f"{name}: hidden must be [..., {width}] to match weight [{vocab}, {width}], got shape "
+            f"{tuple(hidden.shape)}; pass the final hidden states (after the last norm), not the logits."
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ShapeContractError(
+            f"{name}: labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}; "
+            "give one label per hidden row, already shifted so that labels[..., t] is the token after position t."
+        )
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"{name}: hidden and weight must share one dtype among float32, float16, bfloat16; got "
+            f"{hidden.dtype} and {weight.dtype}. Cast one of them."
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{name}: labels must be integer token ids, got dtype {labels.dtype}.")
+    if hidden.device != weight.device:
+        raise ValueError(
+            f"{name}: hidden ({hidden.device}) and weight ({weight.device}) must be on one device; move the LM head "
+            "or the hidden states."
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{name}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+
+    # Labels may live elsewhere (model parallel, a collator on the CPU); transformers moves them too.
+    flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
+    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+    if bool(bad.any()):
+        offending = flat_labels[bad]
+        raise ShapeContractError(
+            f"{name}: labels must lie in [0, {vocab}) (the rows of weight [{vocab}, {width}]) or equal ignore_index="
+            f"{ignore_index}; found {offending.numel()} outside, e.g. {offending[0].item()}. A tokenizer with added "
+            "tokens needs model.resize_token_embeddings; padding must be masked with ignore_index."
+        )
+    return hidden.reshape(-1, width), flat_labels
+
+
+def _denominator(labels: torch.Tensor, ignore_index: int, num_items_in_batch: int | torch.Tensor | None):
+    """What the summed row losses are divided by, as a 0-dim fp32 tensor on the labels' device."""
+    if num_items_in_batch is None:
+        # clamp: all-ignored gives 0 / 1 = 0 instead of torch's 0 / 0.
+        return (labels != ignore_index).sum().clamp_(min=1).to(torch.float32)
+    count = torch.as_tensor(num_items_in_batch)
+    if count.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a single number, got a tensor of shape {tuple(count.shape)}.")
+    return count.reshape(()).to(device=labels.device, dtype=torch.float32)
+
+
+def _chunked_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    chunk_size: int,
+    need_dh: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Row losses [T] (fp32) and the unscaled gradients d(Σ row losses)/d hidden [T, H], /d weight [V, H] (fp32).
+
+    The gradients are of the plain sum of the row losses: the 1/N of the mean (or 1/num_items_in_batch) is applied
+    in backward together with ``grad_output``, so a half-precision gradient is rounded once, at the magnitude the
+    caller's loss scale asks for, rather than first stored at loss-scale 1 where fp16 loses small values.
+    """
+    num_tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    device, dtype = hidden.device, hidden.dtype
+    # CUDA has fp16/bf16 GEMMs with fp32 output (out_dtype); the CPU has not, so there half inputs run their matmuls
+    # in fp32 on an fp32 copy of the weight that lives for this call only.
+    half_gemm = dtype != torch.float32 and hidden.is_cuda
+    upcast = dtype != torch.float32 and not half_gemm
+    weight_mm = weight.float() if upcast else weight
+    write_grad = need_dh or need_dw
+    row_kernel = _cross_entropy_rows_triton if dispatch.use_triton(hidden) else _cross_entropy_rows_torch
+
+    row_loss = dispatch.empty((num_tokens,), dtype=torch.float32, device=device)
+    grad_hidden = dispatch.empty((num_tokens, width), dtype=dtype, device=device) if need_dh else None
+    grad_weight = dispatch.empty((vocab, width), dtype=torch.float32, device=device) if need_dw else None
+    rows = min(chunk_size, num_tokens)
+    logits_buffer = dispatch.empty((rows, vocab), dtype=torch.float32, device=device)
+    # The row kernel writes the gradient where the next matmuls can read it: in place over the fp32 logits, or into
+    # a half buffer when those matmuls run in half.
+    grad_buffer = dispatch.empty((rows, vocab), dtype=dtype, device=device) if half_gemm and write_grad else None
+
+    for start in range(0, num_tokens, chunk_size):
+        stop = min(start + chunk_size, num_tokens)
+        hidden_chunk = hidden[start:stop]
+        hidden_mm = hidden_chunk.float() if upcast else hidden_chunk
+        logits = logits_buffer[: stop - start]
+        if half_gemm:
+            torch.mm(hidden_chunk, weight.t(), out_dtype=torch.float32, out=logits)
+        else:
+            torch.mm(hidden_mm, weight_mm.t(), out=logits)
+        grad = grad_buffer[: stop - start] if grad_buffer is not None else logits
+        row_kernel(logits, grad, labels[start:stop], ignore_index, row_loss[start:stop], write_grad)
+
+        if need_dh:
+            if upcast:
+                grad_hidden[start:stop].copy_(grad @ weight_mm)
+            else:
+                torch.mm(grad, weight_mm, out=grad_hidden[start:stop])
+        if need_dw:
+            if half_gemm:
+                if start == 0:
+                    torch.mm(grad.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight)
+                else:
+                    torch.addmm(grad_weight, grad.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight)
+            elif start == 0:
+                torch.mm(grad.t(), hidden_mm, out=grad_weight)
+            else:
+                grad_weight.addmm_(grad.t(), hidden_mm)
+
+    if grad_weight is not None and num_tokens == 0:
+        grad_weight.zero_()
+    return row_loss, grad_hidden, grad_weight
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd Function for :func:`fused_linear_cross_entropy`; gradients are computed in forward.
+
+    ``apply(hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size)`` with the meanings of
+    :func:`fused_linear_cross_entropy` (all positional). Saved for backward: d hidden [T, H] in hidden's dtype,
+    d weight [V, H] in fp32 when weight requires grad, and the 0-dim denominator; never the logits.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int = -100,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        name = "FusedLinearCrossEntropyFunction"
+        hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size)
+        denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
+        chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
+        row_loss, grad_hidden, grad_weight = _chunked_forward(
+            hidden_2d,
+            weight,
+            flat_labels,
+            ignore_index,
+            chunk,
+            need_dh=ctx.needs_input_grad[0],
+            need_dw=ctx.needs_input_grad[1],
+        )
+        # save_for_backward, not ctx attributes: saved-tensor hooks (offloading, memory accounting) must see them.
+        ctx.save_for_backward(grad_hidden, grad_weight, denominator)
+        ctx.hidden_shape = hidden.shape
+        ctx.weight_dtype = weight.dtype
+        return row_loss.sum() / denominator
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight, denominator = ctx.saved_tensors
+        factor = grad_output.to(torch.float32) / denominator
+        out_hidden = out_weight = None
+        if grad_hidden is not None:
+            # A 0-dim fp32 factor keeps a half tensor half; the product is formed in fp32 and rounded once.
+            out_hidden = (grad_hidden * factor).view(ctx.hidden_shape)
+        if grad_weight is not None:
+            out_weight = torch.mul(grad_weight, factor, out=dispatch.empty_like(grad_weight, dtype=ctx.weight_dtype))
+        return out_hidden, out_weight, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the [tokens, vocab] logits.
+
+    Matches transformers' causal-LM loss on already shifted labels, with the differences listed in the module
+    docstring (all-ignored gives 0, out-of-range labels raise).
+
+    Args:
+        hidden: Final hidden states [..., H], float32 / float16 / bfloat16; leading dims are flattened to T tokens.
+        weight: LM-head weight [V, H], same dtype and device as ``hidden``.
+        labels: Integer targets with ``hidden``'s leading shape, aligned with it (the caller shifts); entries equal
+            to ``ignore_index`` do not count.
+        ignore_index: Label value to skip.
+        num_items_in_batch: If given, the loss is the summed token losses divided by it (transformers' gradient
+            accumulation convention); otherwise the mean over non-ignored tokens. Like transformers, 0 here divides
+            by zero (inf, or NaN when every label is ignored).
+        chunk_size: Tokens per chunk; default :func:`default_chunk_size`. Bounds the transient logits at
+            ``chunk_size × V`` fp32 values.
+
+    Returns:
+        The loss, a 0-dim float32 tensor. Gradients flow to ``hidden`` and, if it requires grad, ``weight``, in
+        their own dtypes.
+
+    Raises:
+        ShapeContractError: ``weight`` is not 2-D, ``hidden``'s last dim is not ``weight``'s, ``labels`` does not
+            have ``hidden``'s leading shape, or a label is outside [0, V) and not ``ignore_index``.
+        TypeError: Unsupported or mismatched dtypes.
+    """
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return FusedLinearCrossEntropyFunction.apply(
+            hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size
+        )
+    # No graph will be built: skip the gradient pass of the row kernel and the two gradient matmuls.
+    name = "fused_linear_cross_entropy"
+    hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size)
+    denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
+    chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
+    row_loss, _, _ = _chunked_forward(
+        hidden_2d.detach(), weight.detach(), flat_labels, ignore_index, chunk, need_dh=False, need_dw=False
+    )
+    return row_loss.sum() / denominator
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The naive baseline: fp32 logits ``hidden @ weight.T`` in full, then ``F.cross_entropy``; autograd-differentiable.
+
+    Same function as :func:`fused_linear_cross_entropy` (including 0 for all-ignored labels), but it materialises
+    and saves the [tokens, vocab] logits; tests and benchmarks compare against it.
+
+    Args:
+        hidden: [..., H] hidden states.
+        weight: [V, H] LM-head weight.
+        labels: Aligned integer labels with ``hidden``'s leading shape.
+        ignore_index: Label value to skip.
+        num_items_in_batch: Divisor for the summed loss; default the number of non-ignored labels.
+
+    Returns:
+        The 0-dim float32 loss.
+    """
+    hidden_2d, flat_labels = _validate("linear_cross_entropy_reference", hidden, weight, labels, ignore_index, None)
+    logits = hidden_2d.float() @ weight.float().t()
+    total = torch.nn.functional.cross_entropy(logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    return total / _denominator(flat_labels, ignore_index, num_items_in_batch)
+
+
+__all__ = [
+    "LOGITS_CHUNK_BYTES",
+    "FusedLinearCrossEntropyFunction",
+    "default_chunk_size",
+    "fused_linear_cross_entropy",
+    "linear_cross_entropy_reference",
+]

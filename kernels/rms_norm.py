@@ -1,0 +1,284 @@
+"""RMSNorm as Llama computes it, forward and backward (dX and dW), in Triton with a plain-torch reference.
+
+The casting rule is transformers' ``LlamaRMSNorm``: the row is normalised in fp32, the result is cast back to the
+input's dtype, and only then multiplied by the weight, so the output dtype is the promotion of the weight's and the
+input's dtypes. Both paths keep that rounding step, so a fp16 model gives the same numbers as the stock module.
+
+Backward saves ``x``, ``weight`` and the per-row ``rstd`` (fp32, one value per row), never the output. dW is
+accumulated in fp32: each Triton program sums its share of rows into one row of a ``[programs, hidden]`` buffer,
+which is reduced by one ``sum`` afterwards (no atomics, so the result does not depend on scheduling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.errors import ShapeContractError
+
+# One program holds a whole row in registers. Every released model's hidden size fits far below this; a wider row
+# takes the torch reference rather than a kernel that would spill.
+MAX_FUSED_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    x_row_stride,
+    x_col_stride,
+    w_ptr,
+    w_stride,
+    y_ptr,
+    rstd_ptr,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    # int64 row offsets: rows * hidden passes 2**31 at long contexts.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / n_cols
+    rstd = tl.math.rsqrt(variance + eps)
+    tl.store(rstd_ptr + row, rstd)
+    # Llama rounds the normalised row to the input dtype before the weight multiply; keep that rounding.
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+    y = w * normed
+    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    dy_row_stride,
+    dy_col_stride,
+    x_ptr,
+    x_row_stride,
+    x_col_stride,
+    w_ptr,
+    w_stride,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK: tl.constexpr,
+    COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    first_row = pid.to(tl.int64) * rows_per_program
+    # The last program's share may run past the end. Bound the loop rather than masking per row: the interpreter
+    # turns `block_mask & (scalar < n)` into an int32 array that tl.load rejects ("mask has unsupported dtype").
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    for row in range(first_row, last_row):
+        x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        if COMPUTE_DW:
+            # The forward multiplied the weight by the row rounded to the input dtype: that is dy/dw.
+            dw_acc += dy * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if COMPUTE_DX:
+            # The cast to the input dtype is treated as identity, as autograd does for .to().
+            dn = dy * w
+            dot = tl.sum(dn * x_hat, axis=0) / n_cols
+            dx = rstd * (dn - x_hat * dot)
+            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=mask)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Llama's RMSNorm in plain torch, op for op as ``LlamaRMSNorm.forward`` (bit-identical to it).
+
+    Args:
+        x: Input ``[..., hidden]``.
+        weight: Scale ``[hidden]``.
+        eps: Added to the mean of squares before the reciprocal square root.
+
+    Returns:
+        ``weight * (x / rms(x))``, normalised in fp32, cast to ``x.dtype``, then scaled; dtype is the promotion
+        of ``weight.dtype`` and ``x.dtype``. Differentiable by autograd.
+    """
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        hidden = x.shape[-1] if x.dim() >= 1 else "?"
+        raise ShapeContractError(
+            f"rms_norm: weight must be 1-D of size hidden = x.shape[-1], i.e. [{hidden}], "
+            f"but weight has shape {list(weight.shape)} and x has shape {list(x.shape)}; "
+            "pass the norm's own weight vector and a tensor whose last dimension is the hidden size."
+        )
+
+
+def _rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    # reshape keeps a strided view whenever one exists (slices, most permutes); the kernels take both strides,
+    # so only a layout no 2-D view can describe is copied.
+    return t.reshape(-1, hidden)
+
+
+def _reference_rstd(x2: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x2.to(torch.float32).pow(2).mean(-1) + eps)
+
+
+def _reference_backward(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernel's backward math in torch, on ``[rows, hidden]`` views; everything in fp32."""
+    x_hat = x2.to(torch.float32) * rstd[:, None]
+    dy = dy2.to(torch.float32)
+    dx = dw = None
+    if need_dx:
+        dn = dy * weight.to(torch.float32)
+        dot = (dn * x_hat).mean(-1, keepdim=True)
+        dx = (rstd[:, None] * (dn - x_hat * dot)).to(x2.dtype)
+    if need_dw:
+        dw = (dy * x_hat.to(x2.dtype).to(torch.float32)).sum(0).to(weight.dtype)
+    return dx, dw
+
+
+def _num_warps(block: int) -> int:
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+def _dw_programs(rows: int, device: torch.device) -> int:
+    # Enough programs to fill the GPU twice over; each one adds a [hidden] row to the fp32 reduction afterwards.
+    # The interpreter runs programs one after another: a few (several rows each) keep the partial-sum path tested.
+    if device.type != "cuda":
+        return max(1, min(rows, 4))
+    return max(1, min(rows, torch.cuda.get_device_properties(device).multi_processor_count * 2))
+
+
+def _takes_triton(x: torch.Tensor) -> bool:
+    return dispatch.use_triton(x) and x.shape[-1] <= MAX_FUSED_HIDDEN
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd Function for Llama's RMSNorm: Triton kernels where :func:`dispatch.use_triton`, else torch math.
+
+    ``forward(ctx, x, weight, eps)`` returns the normalised tensor; ``backward`` returns ``(dx, dw, None)``,
+    skipping the dW work when ``weight`` does not require grad (and dX when ``x`` does not).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _check_shapes(x, weight)
+        hidden = x.shape[-1]
+        x2 = _rows_view(x, hidden)
+        rows = x2.shape[0]
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        if _takes_triton(x):
+            y = dispatch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+            rstd = dispatch.empty((rows,), dtype=torch.float32, device=x.device)
+            if y.numel() > 0:
+                block = triton.next_power_of_2(hidden)
+                _rms_norm_fwd_kernel[(rows,)](
+                    x2,
+                    x2.stride(0),
+                    x2.stride(1),
+                    weight,
+                    weight.stride(0),
+                    y,
+                    rstd,
+                    hidden,
+                    float(eps),
+                    BLOCK=block,
+                    num_warps=_num_warps(block),
+                )
+            elif rows > 0:  # hidden == 0: nothing to normalise; fill rstd the way the reference would.
+                rstd = _reference_rstd(x2, eps)
+        else:
+            # contiguous(): a transposed x would otherwise give a transposed result that cannot be viewed back.
+            y = rms_norm_reference(x2, weight, eps).contiguous()
+            rstd = _reference_rstd(x2, eps)
+        # Only the input, the weight and one fp32 per row: the output is never kept.
+        ctx.save_for_backward(x, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dx or need_dw):
+            return None, None, None
+        hidden = x.shape[-1]
+        x2 = _rows_view(x, hidden)
+        dy2 = _rows_view(dy, hidden)
+        rows = x2.shape[0]
+        if not _takes_triton(x) or x2.numel() == 0:
+            dx, dw = _reference_backward(dy2, x2, weight, rstd, need_dx, need_dw)
+            return (dx.view(x.shape) if need_dx else None), dw, None
+
+        block = triton.next_power_of_2(hidden)
+        programs = _dw_programs(rows, x.device) if need_dw else rows
+        rows_per_program = triton.cdiv(rows, programs)
+        programs = triton.cdiv(rows, rows_per_program)
+        dx = dispatch.empty((rows, hidden), dtype=x.dtype, device=x.device) if need_dx else None
+        dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if need_dw else None
+        # An unused pointer argument still needs a tensor; rstd stands in, and the constexpr flag keeps it untouched.
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2,
+            dy2.stride(0),
+            dy2.stride(1),
+            x2,
+            x2.stride(0),
+            x2.stride(1),
+            weight,
+            weight.stride(0),
+            rstd,
+            dx if need_dx else rstd,
+            dw_partial if need_dw else rstd,
+            rows,
+            hidden,
+            rows_per_program,
+            BLOCK=block,
+            COMPUTE_DX=need_dx,
+            COMPUTE_DW=need_dw,
+            num_warps=_num_warps(block),
+        )
+        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+        return (dx.view(x.shape) if need_dx else None), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Llama's RMSNorm with a fused backward that also gives dW.
+
+    Args:
+        x: Input ``[..., hidden]``, any layout, any number of rows (including one).
+        weight: Scale ``[hidden]``; its gradient is computed only when it requires grad.
+        eps: Added to the mean of squares before the reciprocal square root.
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape, dtype ``torch.promote_types(weight.dtype, x.dtype)``.
+
+    Raises:
+        ShapeContractError: ``weight`` is not 1-D of size ``x.shape[-1]``.
+    """
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+__all__ = ["MAX_FUSED_HIDDEN", "RMSNormFunction", "rms_norm", "rms_norm_reference"]

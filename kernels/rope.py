@@ -1,0 +1,528 @@
+"""Rotary position embedding, Llama's rotate-half convention, for queries and keys in one launch.
+
+The function is transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``::
+
+    out = x * cos + rotate_half(x) * sin,    rotate_half(x) = cat(-x2, x1)
+
+with ``x1`` / ``x2`` the first and second half of ``head_dim``. Per pair ``(x1[i], x2[i])`` that is
+
+    y1 = x1 * cos1 - x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
+
+(``cos1`` = ``cos[..., i]``, ``cos2`` = ``cos[..., i + head_dim // 2]``, same for sin). Llama's tables repeat their
+halves, so this is a plane rotation by θ and its gradient is the rotation by −θ. The backward here uses the exact
+transpose of the map above, ``dx1 = dy1 * cos1 + dy2 * sin2``, ``dx2 = dy2 * cos2 - dy1 * sin1``: the same kernel
+with sin negated and its halves swapped, which is the rotation by −θ for Llama's tables and still the right
+gradient for tables whose halves differ. Backward needs only cos / sin (and position_ids), never q or k.
+
+Layouts: q is [batch, heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim] (transformers' layout, usually
+transposed views of [batch, seq, heads, head_dim]; every stride is passed to the kernel, nothing is copied). cos /
+sin are either gathered per token, [batch or 1, seq, head_dim] (what ``LlamaRotaryEmbedding`` returns), or, with
+``position_ids`` [batch or 1, seq], whole tables [max_positions, head_dim] that the kernel indexes per token, so
+packed rows whose positions restart mid-row need no gathered copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.errors import ShapeContractError
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    y_ptr,
+    b,
+    s,
+    n_heads,
+    half,
+    x_sb,
+    x_sh,
+    x_ss,
+    x_sd,
+    y_sb,
+    y_sh,
+    y_ss,
+    y_sd,
+    c1,
+    c2,
+    t1,
+    t2,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_mask = d < half
+    x_base = x_ptr + b * x_sb + s * x_ss
+    y_base = y_ptr + b * y_sb + s * y_ss
+    # A loop rather than one block over all heads keeps the tile small for 64+ head models; cos / sin stay loaded.
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        x_rows = x_base + h[:, None] * x_sh
+        # Both halves are loaded before either is stored, so in-place (y_ptr == x_ptr) reads no rotated values.
+        x1 = tl.load(x_rows + d[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rows + (d[None, :] + half) * x_sd, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * c1[None, :] - x2 * t1[None, :]
+        y2 = x2 * c2[None, :] + x1 * t2[None, :]
+        y_rows = y_base + h[:, None] * y_sh
+        tl.store(y_rows + d[None, :] * y_sd, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + (d[None, :] + half) * y_sd, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    q_sb,
+    q_sh,
+    q_ss,
+    q_sd,
+    k_sb,
+    k_sh,
+    k_ss,
+    k_sd,
+    qo_sb,
+    qo_sh,
+    qo_ss,
+    qo_sd,
+    ko_sb,
+    ko_sh,
+    ko_ss,
+    ko_sd,
+    cos_sb,
+    cos_ss,
+    cos_sd,
+    sin_sb,
+    sin_ss,
+    sin_sd,
+    pos_sb,
+    pos_ss,
+    HAS_POS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token, covering all of its q heads and then all of its k heads: the launch rotates both, and
+    # the token's cos / sin row is read once for Hq + Hk heads.
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    s = token % seq_len
+    if HAS_POS:
+        row = tl.load(pos_ptr + b * pos_sb + s * pos_ss).to(tl.int64)
+        cos_row = cos_ptr + row * cos_ss
+        sin_row = sin_ptr + row * sin_ss
+    else:
+        cos_row = cos_ptr + b * cos_sb + s * cos_ss
+        sin_row = sin_ptr + b * sin_sb + s * sin_ss
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_mask = d < half
+    c1 = tl.load(cos_row + d * cos_sd, mask=d_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + (d + half) * cos_sd, mask=d_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + d * sin_sd, mask=d_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + (d + half) * sin_sd, mask=d_mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # Transpose of the forward map: sin negated and its halves swapped (the rotation by -theta).
+        t1 = -s2
+        t2 = -s1
+    else:
+        t1 = s1
+        t2 = s2
+    _rotate_heads(
+        q_ptr, q_out_ptr, b, s, n_q_heads, half, q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd,
+        c1, c2, t1, t2, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, b, s, n_k_heads, half, k_sb, k_sh, k_ss, k_sd, ko_sb, ko_sh, ko_ss, ko_sd,
+        c1, c2, t1, t2, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+
+
+def _check(
+    where: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> None:
+    """Raise ShapeContractError (naming ``where``) unless the inputs fit the contract in the module docstring."""
+
+    def _fail(expected: str, actual: str, fix: str) -> ShapeContractError:
+        return ShapeContractError(f"fastft.kernels.rope.{where}: expected {expected}, got {actual}; {fix}")
+
+    if q.dim() != 4 or k.dim() != 4:
+        raise _fail(
+            "q [batch, heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim]",
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}",
+            "pass the 4-d tensors after .view(batch, seq, heads, head_dim).transpose(1, 2)",
+        )
+    batch, _, seq, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != seq:
+        raise _fail(
+            f"k with q's batch and seq ({batch}, *, {seq}, *)",
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}",
+            "rotate queries and keys of the same tokens together",
+        )
+    if k.shape[3] != head_dim:
+        raise _fail(
+            f"k head_dim {head_dim} (q's)",
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}",
+            "q and k must share head_dim; check head_dim against hidden_size // num_attention_heads in the config",
+        )
+    if head_dim % 2:
+        raise _fail(
+            "an even head_dim (rotate-half pairs element i with i + head_dim // 2)",
+            f"head_dim {head_dim} in q {tuple(q.shape)}",
+            "use an even head_dim",
+        )
+    if q.dtype != k.dtype or not q.is_floating_point():
+        raise _fail(
+            "q and k of one floating dtype",
+            f"q {q.dtype} and k {k.dtype}",
+            "cast both to the attention dtype first",
+        )
+    if cos.shape != sin.shape:
+        raise _fail("cos and sin of one shape", f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)}", "pass a pair")
+    if cos.shape[-1] != head_dim:
+        raise _fail(
+            f"cos / sin with head_dim {head_dim} in the last dimension (q's)",
+            f"cos {tuple(cos.shape)} for q {tuple(q.shape)}",
+            "build the rotary embedding from the same config (head_dim) as the attention",
+        )
+    devices = {t.device for t in (q, k, cos, sin) + (() if position_ids is None else (position_ids,))}
+    if len(devices) != 1:
+        raise _fail("every tensor on one device", f"devices {sorted(map(str, devices))}", "move them together")
+    if position_ids is None:
+        if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
+            raise _fail(
+                f"gathered cos / sin [{batch} or 1, {seq}, {head_dim}] (no position_ids given)",
+                f"cos {tuple(cos.shape)} for q {tuple(q.shape)}",
+                "pass what the rotary embedding returned for these positions, or pass the tables "
+                "[max_positions, head_dim] together with position_ids [batch, seq]",
+            )
+        return
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq:
+        raise _fail(
+            f"position_ids [{batch} or 1, {seq}]",
+            f"position_ids {tuple(position_ids.shape)} for q {tuple(q.shape)}",
+            "pass one position per token",
+        )
+    if position_ids.dtype not in _INTEGER_DTYPES:
+        raise _fail("integer position_ids", f"position_ids of dtype {position_ids.dtype}", "pass a long tensor")
+    if cos.dim() != 2:
+        raise _fail(
+            f"cos / sin tables [max_positions, {head_dim}] (position_ids given)",
+            f"cos {tuple(cos.shape)}",
+            "pass the whole tables with position_ids, or gathered cos / sin [batch, seq, head_dim] without them",
+        )
+    if position_ids.numel():
+        # The kernel reads table row position_ids[b, s] with no bounds check of its own: an index past the table is
+        # an out-of-bounds read (silently wrong rotations, or an illegal-address fault that kills the CUDA
+        # context), where a torch gather would have raised. One min/max over batch * seq ints and a single
+        # host sync is cheap next to attention; gathered cos / sin carry no indices, so they skip this.
+        low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+        if low < 0 or high >= cos.shape[0]:
+            raise _fail(
+                f"position_ids in [0, {cos.shape[0]}) (rows of the cos / sin tables)",
+                f"position_ids from {low} to {high}",
+                "build longer tables (max_position_embeddings) or truncate the sequences",
+            )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _gather(
+    cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin as [batch or 1, 1, seq, head_dim], ready to broadcast over heads."""
+    if position_ids is not None:
+        cos, sin = cos[position_ids.long()], sin[position_ids.long()]
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    # fp32 at least (float64 stays float64, so the function also serves as a float64 oracle); for fp32 inputs the
+    # casts are no-ops and the expression is transformers' own, so the result is bit-for-bit apply_rotary_pos_emb.
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xc, cos, sin = x.to(compute), cos.to(compute), sin.to(compute)
+    if backward:
+        # rotate_half is R = [[0, -I], [I, 0]] per pair, and R^T = -R: dx = dy * cos + R^T (dy * sin).
+        return (xc * cos - _rotate_half(xc * sin)).to(x.dtype)
+    return ((xc * cos) + (_rotate_half(xc) * sin)).to(x.dtype)
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k with plain torch ops (differentiable by autograd, including through cos and sin).
+
+    Args:
+        q: Queries [batch, heads, seq, head_dim], any strides.
+        k: Keys [batch, kv_heads, seq, head_dim], any strides.
+        cos: Gathered [batch or 1, seq, head_dim], or a table [max_positions, head_dim] when position_ids is given.
+        sin: Same shape as cos.
+        position_ids: Optional integer [batch or 1, seq]: the table row each token reads.
+
+    Returns:
+        The rotated (q, k) in their input dtypes, computed in fp32 (or wider); in fp32 bit-for-bit equal to
+        transformers' ``apply_rotary_pos_emb(q, k, cos[position_ids], sin[position_ids])``.
+
+    Raises:
+        ShapeContractError: The shapes do not fit (see :func:`apply_rope`).
+    """
+    _check("rope_reference", q, k, cos, sin, position_ids)
+    cos, sin = _gather(cos, sin, position_ids)
+    return _rotate_reference(q, cos, sin, False), _rotate_reference(k, cos, sin, False)
+
+
+def _launch(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    q_out: torch.Tensor | None,
+    k_out: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    backward: bool,
+) -> None:
+    """Rotate q into q_out and k into k_out in one launch; a None pair (a gradient nobody produced) is skipped."""
+    present = q if q is not None else k
+    batch, _, seq, head_dim = present.shape
+    if batch * seq == 0:
+        return
+    # An absent pair gets zero heads, so its loop never runs; any tensor serves as its (unread) pointer.
+    n_q = q.shape[1] if q is not None else 0
+    n_k = k.shape[1] if k is not None else 0
+    q, q_out = (q, q_out) if q is not None else (present, present)
+    k, k_out = (k, k_out) if k is not None else (present, present)
+    half = head_dim // 2
+    block_d = triton.next_power_of_2(half)
+    # About 2K elements per half-tile: few loop trips for GQA head counts without spilling registers.
+    block_h = max(1, min(triton.next_power_of_2(max(n_q, n_k, 1)), 2048 // block_d))
+    if position_ids is not None:
+        cos_strides = (0, cos.stride(0), cos.stride(1))
+        sin_strides = (0, sin.stride(0), sin.stride(1))
+        pos_strides = (position_ids.stride(0) if position_ids.shape[0] > 1 else 0, position_ids.stride(1))
+        pos = position_ids
+    else:
+        # A batch-1 cos / sin broadcasts over the batch: stride 0.
+        cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2))
+        sin_strides = (sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2))
+        pos_strides = (0, 0)
+        pos = cos  # unread when HAS_POS is off
+    _rope_kernel[(batch * seq,)](
+        q, k, q_out, k_out, cos, sin, pos,
+        seq, n_q, n_k, half,
+        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
+        *cos_strides, *sin_strides, *pos_strides,
+        HAS_POS=position_ids is not None, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def _rope_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> None:
+    """Rotate q into q_out and k into k_out (the same tensors when in place) on the dispatched path."""
+    if dispatch.use_triton(q):
+        _launch(q, k, q_out, k_out, cos, sin, position_ids, backward=False)
+        return
+    cos, sin = _gather(cos, sin, position_ids)
+    q_out.copy_(_rotate_reference(q, cos, sin, False))
+    k_out.copy_(_rotate_reference(k, cos, sin, False))
+
+
+def _rope_backward(
+    grad_q: torch.Tensor | None,
+    grad_k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of q and k (None where the output's gradient is None), in one launch on the Triton path."""
+    # Fresh buffers, never grad_q / grad_k rotated in place: autograd may hand the very same gradient tensor to
+    # several consumers (an add passes its incoming gradient unchanged to both operands, and a leaf's
+    # AccumulateGrad may keep that tensor as its .grad), so overwriting it would corrupt the others' gradients.
+    dq = None if grad_q is None else dispatch.empty(grad_q.shape, dtype=grad_q.dtype, device=grad_q.device)
+    dk = None if grad_k is None else dispatch.empty(grad_k.shape, dtype=grad_k.dtype, device=grad_k.device)
+    if dq is None and dk is None:
+        return None, None
+    if dispatch.use_triton(cos):
+        _launch(grad_q, grad_k, dq, dk, cos, sin, position_ids, backward=True)
+        return dq, dk
+    cos, sin = _gather(cos, sin, position_ids)
+    if dq is not None:
+        dq.copy_(_rotate_reference(grad_q, cos, sin, True))
+    if dk is not None:
+        dk.copy_(_rotate_reference(grad_k, cos, sin, True))
+    return dq, dk
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Rotary embedding of q and k with a gradient that saves only cos / sin (and position_ids).
+
+    ``RoPEFunction.apply(q, k, cos, sin, position_ids, inplace) -> (q_out, k_out)``. No gradient flows to cos or
+    sin (they come from a no-grad rotary embedding); :func:`apply_rope` sends learnable tables to the reference.
+    With ``inplace=True`` q and k must not be views while autograd records (a torch limit, see
+    :func:`apply_rope`, which handles views).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check("apply_rope", q, k, cos, sin, position_ids)
+        ctx.save_for_backward(cos, sin, position_ids)
+        # An output nobody used arrives as None instead of a zero tensor, and its half of the launch is skipped.
+        ctx.set_materialize_grads(False)
+        if inplace:
+            ctx.mark_dirty(q, k)
+            _rope_forward(q, k, q, k, cos, sin, position_ids)
+            return q, k
+        q_out, k_out = dispatch.empty_like(q), dispatch.empty_like(k)
+        _rope_forward(q, k, q_out, k_out, cos, sin, position_ids)
+        return q_out, k_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        cos, sin, position_ids = ctx.saved_tensors
+        return (*_rope_backward(grad_q, grad_k, cos, sin, position_ids), None, None, None, None)
+
+
+class _RoPEInPlaceQ(torch.autograd.Function):
+    """In-place rotation of views, first half: one launch rotates q and k; this node owns q's history."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        _check("apply_rope", q, k, cos, sin, position_ids)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.set_materialize_grads(False)
+        ctx.mark_dirty(q)
+        # k is rotated here too; _RoPEInPlaceK, applied right after, tells autograd (no other op runs between).
+        _rope_forward(q, k, q, k, cos, sin, position_ids)
+        return q
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        cos, sin, position_ids = ctx.saved_tensors
+        return _rope_backward(grad_q, None, cos, sin, position_ids)[0], None, None, None, None
+
+
+class _RoPEInPlaceK(torch.autograd.Function):
+    """In-place rotation of views, second half: k was rotated by _RoPEInPlaceQ's launch; this owns k's history."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.set_materialize_grads(False)
+        ctx.mark_dirty(k)
+        return k
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_k: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        cos, sin, position_ids = ctx.saved_tensors
+        return _rope_backward(None, grad_k, cos, sin, position_ids)[1], None, None, None
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys by their positions (Llama's rotate-half RoPE), both in one kernel launch.
+
+    Args:
+        q: Queries [batch, heads, seq, head_dim]; any strides (typically a transpose of [batch, seq, heads, hd]).
+        k: Keys [batch, kv_heads, seq, head_dim]; kv_heads may differ from heads (GQA). Same dtype as q.
+        cos: Gathered [batch or 1, seq, head_dim] (``LlamaRotaryEmbedding``'s output; batch 1 broadcasts), or,
+            with position_ids, a table [max_positions, head_dim]. Any float dtype; used in fp32.
+        sin: Same shape as cos.
+        position_ids: Optional integer [batch or 1, seq]: the table row of each token, so packed rows whose
+            positions restart mid-row work. Checked against the table length on the host (one sync).
+        inplace: Rotate q and k in their own storage and return them (for callers that own the buffers; not
+            for leaves that require grad). Values and gradients are the same either way.
+
+    Returns:
+        (q_rotated, k_rotated) with q's dtype; out of place they are new contiguous tensors of q's / k's shape.
+
+    Raises:
+        ShapeContractError: Not 4-d, q / k batch or seq or head_dim mismatch, odd head_dim, cos / sin of the wrong
+            shape, non-integer position_ids or ones outside the tables.
+        ValueError: inplace=True with cos / sin that require grad.
+    """
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        # A gradient for the tables needs q and k, which RoPEFunction deliberately does not keep.
+        if inplace:
+            raise ValueError(
+                "fastft.kernels.rope.apply_rope: inplace=True cannot differentiate cos / sin (their gradient needs "
+                "the unrotated q and k); detach the tables or use inplace=False"
+            )
+        return rope_reference(q, k, cos, sin, position_ids)
+    if inplace and (q._base is not None or k._base is not None):
+        # torch refuses a Function that modifies a view in place and returns more than one tensor (it can only
+        # rebase one view's history per node), and transformers' q / k are views (transposes). So the one launch
+        # happens in a node that returns q, and a second, compute-free node returns k, each marking its tensor dirty.
+        rotated_q = _RoPEInPlaceQ.apply(q, k, cos, sin, position_ids)
+        return rotated_q, _RoPEInPlaceK.apply(k, cos, sin, position_ids)
+    return RoPEFunction.apply(q, k, cos, sin, position_ids, inplace)
+
+
+__all__ = ["RoPEFunction", "apply_rope", "rope_reference"]
