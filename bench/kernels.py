@@ -15,16 +15,23 @@ against the eager one.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    # Run as a script, this folder is sys.path[0] and this file would be importable as a top-level `kernels`,
+    # shadowing the PyPI package bitsandbytes imports; drop the folder before anything imports bitsandbytes.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _here]
+
 import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -220,23 +227,25 @@ def build_cases(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> lis
     )
 
     hidden = _leaf((s.tokens, s.hidden), dtype, device, gen)
-    head = _leaf((s.vocab, s.hidden), dtype, device, gen, scale=0.02)
     labels = torch.randint(0, s.vocab, (s.tokens,), generator=gen).to(device)
     labels[::7] = -100
-
-    def naive_loss() -> torch.Tensor:
-        return F.cross_entropy((hidden @ head.T).float(), labels, ignore_index=-100)
-
-    cases.append(
-        Case(
-            "fused_linear_cross_entropy",
-            _fwd_bwd(lambda: fused_linear_cross_entropy(hidden, head, labels), [hidden, head], None),
-            _fwd_bwd(naive_loss, [hidden, head], None),
-            # logits, d_hidden and d_head: three [tokens, vocab, hidden] matmuls
-            flops=3 * 2 * s.tokens * s.vocab * s.hidden,
-            notes="eager = F.cross_entropy on fp32 logits of hidden @ head.T, as transformers' ForCausalLMLoss",
+    # LoRA leaves the LM head frozen (two matmuls: logits and d_hidden); full fine-tuning trains it (a third).
+    for name, trained in (("fused_linear_cross_entropy", False), ("fused_linear_cross_entropy_trained_head", True)):
+        head = _leaf((s.vocab, s.hidden), dtype, device, gen, scale=0.02).requires_grad_(trained)
+        inputs = [hidden, head]
+        cases.append(
+            Case(
+                name,
+                _fwd_bwd(lambda head=head: fused_linear_cross_entropy(hidden, head, labels), inputs, None),
+                _fwd_bwd(
+                    lambda head=head: F.cross_entropy((hidden @ head.T).float(), labels, ignore_index=-100),
+                    inputs,
+                    None,
+                ),
+                flops=(3 if trained else 2) * 2 * s.tokens * s.vocab * s.hidden,
+                notes="eager = F.cross_entropy on fp32 logits of hidden @ head.T, as transformers' ForCausalLMLoss",
+            )
         )
-    )
 
     nf4 = _nf4_case(shapes, dtype, device, gen)
     if nf4 is not None:
@@ -324,12 +333,12 @@ def run(device: torch.device, dtype: torch.dtype, shapes: Shapes, repeats: int, 
             }
         rows.append(row)
         print(
-            f"{case.name:28s} fastft {row['fastft_ms']:9.3f} ms   eager {row['eager_ms']:9.3f} ms   "
+            f"{case.name:40s} fastft {row['fastft_ms']:9.3f} ms   eager {row['eager_ms']:9.3f} ms   "
             f"x{row['speedup']:.2f}   rel.err {error:.1e}",
             flush=True,
         )
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "device_type": device.type,
         "fastft_path": "triton" if dispatch.use_triton(probe) else "reference",
         "dtype": str(dtype).removeprefix("torch."),
@@ -340,6 +349,15 @@ def run(device: torch.device, dtype: torch.dtype, shapes: Shapes, repeats: int, 
         "python": platform.python_version(),
         "rows": rows,
     }
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def _version(name: str) -> str | None:

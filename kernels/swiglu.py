@@ -194,10 +194,10 @@ class SwiGLUFunction(torch.autograd.Function):
                 )
         else:
             g, u, d = gate.float(), up.float(), dh.float()
-            sig = torch.sigmoid(g)
             # Both gradients are computed before either buffer is written: in fp32, g and u ARE the saved buffers.
-            dg = d * u * sig * (1.0 + g * (1.0 - sig)) if needs_gate else None
-            du = d * g * sig if needs_up else None
+            # aten's fused silu_backward is the d_gate formula above in one pass, as fast as stock autograd.
+            dg = torch.ops.aten.silu_backward(d * u, g) if needs_gate else None
+            du = d * F.silu(g) if needs_up else None
             dgate = gate.copy_(dg) if ctx.gate_in_place else (dg.to(gate.dtype) if needs_gate else None)
             dup = up.copy_(du) if ctx.up_in_place else (du.to(up.dtype) if needs_up else None)
 

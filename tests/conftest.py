@@ -107,9 +107,24 @@ def kernel_path(request):
             with dispatch.force_reference():
                 yield request.param
         else:
+            if KERNEL_DEVICE == "cpu":
+                _require_interpreter_loops()
             probe = torch.empty(0, device=KERNEL_DEVICE)
             assert dispatch.use_triton(probe), (
                 "the Triton path would not run here: install triton and keep TRITON_INTERPRET=1 (set in conftest) "
                 "on a machine without a GPU"
             )
             yield request.param
+
+
+def _require_interpreter_loops() -> None:
+    import triton
+    from packaging.version import Version
+
+    # triton < 3.9's interpreter turns a runtime scalar used as a loop bound into a 1-element array that numpy 2.4
+    # refuses to convert ("only 0-dimensional arrays can be converted to Python scalars"); compiled kernels are fine.
+    if Version(triton.__version__).release < (3, 9):
+        pytest.fail(
+            f"the CPU kernel tests run Triton's interpreter, which needs triton >= 3.9 (installed: "
+            f"{triton.__version__}); run pip install -U 'triton>=3.9' (GPU runs compile the kernels and accept 3.6)"
+        )

@@ -28,11 +28,18 @@ def test_kernel_bench_quick_run_writes_json(tmp_path):
     assert record["device_type"] == "cpu" and record["fastft_path"] == "reference"
     assert record["ceilings"]["copy_gb_per_s"] > 0 and record["ceilings"]["matmul_tflop_per_s"] > 0
     rows = {row["kernel"]: row for row in record["rows"]}
-    assert set(rows) == {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy", "nf4_linear"}
+    assert set(rows) == {
+        "rms_norm",
+        "rope",
+        "swiglu",
+        "fused_linear_cross_entropy",
+        "fused_linear_cross_entropy_trained_head",
+        "nf4_linear",
+    }
     for name, row in rows.items():
         assert row["fastft_ms"] > 0 and row["eager_ms"] > 0, name
         assert row["relative_error_vs_eager"] < 1e-4, (name, row["relative_error_vs_eager"])
         assert name in result.stdout
-    loss = rows["fused_linear_cross_entropy"]
-    assert loss["fastft_saved_bytes"] < loss["eager_saved_bytes"], loss
+    for name in ("fused_linear_cross_entropy", "fused_linear_cross_entropy_trained_head"):
+        assert rows[name]["fastft_saved_bytes"] < rows[name]["eager_saved_bytes"], rows[name]
     assert rows["nf4_linear"]["dequant"]["bit_identical"]
