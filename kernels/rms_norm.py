@@ -213,8 +213,10 @@ class RMSNormFunction(torch.autograd.Function):
                 rstd = _reference_rstd(x2, eps)
         else:
             # contiguous(): a transposed x would otherwise give a transposed result that cannot be viewed back.
-            y = rms_norm_reference(x2, weight, eps).contiguous()
+            # The same ops as rms_norm_reference (so still bit-identical to LlamaRMSNorm), keeping rstd for backward
+            # instead of computing the mean of squares a second time.
             rstd = _reference_rstd(x2, eps)
+            y = (weight * (x2.to(torch.float32) * rstd.unsqueeze(-1)).to(x.dtype)).contiguous()
         # Only the input, the weight and one fp32 per row: the output is never kept.
         ctx.save_for_backward(x, weight, rstd)
         return y.view(x.shape)
