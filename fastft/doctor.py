@@ -26,6 +26,20 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def kernel_path() -> str:
+    """Which implementation fastft's kernels take on this machine's default device, and why."""
+    from fastft.kernels import dispatch
+
+    probe = torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")
+    if dispatch.use_triton(probe):
+        return "triton interpreter (TRITON_INTERPRET=1; slow, for checking)" if not probe.is_cuda else "triton"
+    if not dispatch.HAS_TRITON:
+        return "torch reference (triton is not installed: pip install 'fastft[cuda]' on a GPU machine)"
+    if os.environ.get("FASTFT_DISABLE_TRITON", "0") == "1":
+        return "torch reference (FASTFT_DISABLE_TRITON=1)"
+    return "torch reference (no CUDA device)"
+
+
 def report() -> str:
     """The doctor's report as text: versions, device, and the patch report of a tiny Llama."""
     lines = ["fastft doctor", ""]
@@ -36,6 +50,7 @@ def report() -> str:
         major, minor = torch.cuda.get_device_capability(0)
         lines.append(f"  capability    sm_{major}{minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
     lines.append(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    lines.append(f"  kernels       {kernel_path()}")
     lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads):"]
     rows = apply_patches(tiny_llama())
     if not rows:

@@ -32,6 +32,8 @@ def test_doctor_reports_versions_device_and_patches(tmp_path):
     for name in ("python", "torch", "triton", "transformers", "peft", "trl", "bitsandbytes"):
         assert f"  {name} " in out, name
     assert "device        cpu" in out
+    # the suite runs with TRITON_INTERPRET=1 (conftest), which the doctor must report as the kernels' path
+    assert "kernels       triton interpreter" in out
     assert "patch report" in out
 
 
