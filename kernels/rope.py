@@ -344,19 +344,20 @@ def _launch(
 def _rope_forward(
     q: torch.Tensor,
     k: torch.Tensor,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
-) -> None:
-    """Rotate q into q_out and k into k_out (the same tensors when in place) on the dispatched path."""
+    inplace: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k) on the dispatched path: q and k themselves when in place, new tensors otherwise."""
     if dispatch.use_triton(q):
+        q_out, k_out = (q, k) if inplace else (dispatch.empty_like(q), dispatch.empty_like(k))
         _launch(q, k, q_out, k_out, cos, sin, position_ids, backward=False)
-        return
+        return q_out, k_out
     cos, sin = _gather(cos, sin, position_ids)
-    q_out.copy_(_rotate_reference(q, cos, sin, False))
-    k_out.copy_(_rotate_reference(k, cos, sin, False))
+    q_rot, k_rot = _rotate_reference(q, cos, sin, False), _rotate_reference(k, cos, sin, False)
+    # Out of place the reference's own results are returned: copying them into fresh buffers would cost a pass.
+    return (q.copy_(q_rot), k.copy_(k_rot)) if inplace else (q_rot, k_rot)
 
 
 def _rope_backward(
@@ -370,18 +371,17 @@ def _rope_backward(
     # Fresh buffers, never grad_q / grad_k rotated in place: autograd may hand the very same gradient tensor to
     # several consumers (an add passes its incoming gradient unchanged to both operands, and a leaf's
     # AccumulateGrad may keep that tensor as its .grad), so overwriting it would corrupt the others' gradients.
-    dq = None if grad_q is None else dispatch.empty(grad_q.shape, dtype=grad_q.dtype, device=grad_q.device)
-    dk = None if grad_k is None else dispatch.empty(grad_k.shape, dtype=grad_k.dtype, device=grad_k.device)
-    if dq is None and dk is None:
+    if grad_q is None and grad_k is None:
         return None, None
     if dispatch.use_triton(cos):
+        dq = None if grad_q is None else dispatch.empty(grad_q.shape, dtype=grad_q.dtype, device=grad_q.device)
+        dk = None if grad_k is None else dispatch.empty(grad_k.shape, dtype=grad_k.dtype, device=grad_k.device)
         _launch(grad_q, grad_k, dq, dk, cos, sin, position_ids, backward=True)
         return dq, dk
     cos, sin = _gather(cos, sin, position_ids)
-    if dq is not None:
-        dq.copy_(_rotate_reference(grad_q, cos, sin, True))
-    if dk is not None:
-        dk.copy_(_rotate_reference(grad_k, cos, sin, True))
+    # _rotate_reference always builds a new tensor, so the incoming gradients stay untouched here too.
+    dq = None if grad_q is None else _rotate_reference(grad_q, cos, sin, True)
+    dk = None if grad_k is None else _rotate_reference(grad_k, cos, sin, True)
     return dq, dk
 
 
@@ -410,11 +410,7 @@ class RoPEFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if inplace:
             ctx.mark_dirty(q, k)
-            _rope_forward(q, k, q, k, cos, sin, position_ids)
-            return q, k
-        q_out, k_out = dispatch.empty_like(q), dispatch.empty_like(k)
-        _rope_forward(q, k, q_out, k_out, cos, sin, position_ids)
-        return q_out, k_out
+        return _rope_forward(q, k, cos, sin, position_ids, inplace)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -442,7 +438,7 @@ class _RoPEInPlaceQ(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.mark_dirty(q)
         # k is rotated here too; _RoPEInPlaceK, applied right after, tells autograd (no other op runs between).
-        _rope_forward(q, k, q, k, cos, sin, position_ids)
+        _rope_forward(q, k, cos, sin, position_ids, inplace=True)
         return q
 
     @staticmethod
@@ -501,7 +497,8 @@ def apply_rope(
             for leaves that require grad). Values and gradients are the same either way.
 
     Returns:
-        (q_rotated, k_rotated) with q's dtype; out of place they are new contiguous tensors of q's / k's shape.
+        (q_rotated, k_rotated) with q's dtype; out of place they are new tensors of q's / k's shape (contiguous
+        on the Triton path).
 
     Raises:
         ShapeContractError: Not 4-d, q / k batch or seq or head_dim mismatch, odd head_dim, cos / sin of the wrong
