@@ -13,6 +13,7 @@ from peft.utils import ModulesToSaveWrapper
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastft.contracts import ShapeContractError
+from fastft.kernels import dequantize_nf4
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +34,20 @@ def dense_weight(name: str, parameter: torch.Tensor) -> torch.Tensor:
     """
     kind = type(parameter).__name__
     if kind == "Params4bit":
-        if getattr(parameter, "quant_state", None) is None:
-            raise ShapeContractError(
-                f"{name}: packed 4-bit weight of shape {tuple(parameter.shape)} has no quant_state, so its dense "
-                "[out, in] shape is unknown. Something rebuilt the parameter (p.data, nn.Parameter(p.data), "
-                "DataParallel); reload the model instead."
-            )
         import bitsandbytes.functional as bnb_functional
 
         packed, state = parameter.data, parameter.quant_state
         if getattr(state, "packing_format_for_cpu", False):
             # bitsandbytes' CPU inference path repacks the weight in place into a kernel-specific layout.
             packed, state = bnb_functional._convert_weight_packed_for_cpu_inverse(packed, copy.deepcopy(state))
-        return bnb_functional.dequantize_4bit(packed, state).float()
+        if state is not None and state.quant_type != "nf4":
+            return bnb_functional.dequantize_4bit(packed, state).float()
+        try:
+            # fastft's dequantiser rather than bitsandbytes': bnb 0.50's AVX-512 CPU dequantize_4bit scales by the
+            # wrong block when in_features is not a multiple of the blocksize. It also refuses a lost quant_state.
+            return dequantize_nf4(packed, state).float()
+        except ShapeContractError as error:
+            raise ShapeContractError(f"{name}: {error}") from error
     if kind == "Int8Params":
         raise NotImplementedError(f"{name}: merging into 8-bit bitsandbytes weights is not supported; load in 4-bit.")
     return parameter.detach().float()

@@ -192,3 +192,22 @@ def test_peft_state_dict_keys_are_peft_own(tiny_llama_dir):
     keys = list(get_peft_model_state_dict(model))
     assert keys and all(key.startswith("base_model.model.model.layers.") for key in keys)
     assert all(key.endswith(("lora_A.weight", "lora_B.weight")) for key in keys)
+
+
+def test_dense_weight_of_nf4_with_in_features_off_the_blocksize():
+    """bnb 0.50's AVX-512 CPU dequantiser mis-scales [32, 96] at blocksize 64 (error ~0.29); merging must not."""
+    import bitsandbytes as bnb
+
+    from fastft import ShapeContractError
+    from fastft.merge import dense_weight
+
+    weight = torch.randn(32, 96, generator=torch.Generator().manual_seed(3))
+    packed = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64)
+    packed = packed.to("cpu")
+    dense = dense_weight("layers.0.mlp.down_proj.weight", packed)
+    assert dense.shape == (32, 96) and dense.dtype == torch.float32
+    assert relative_error(dense, weight) < 0.12  # NF4's own rounding is ~0.09
+
+    packed.quant_state = None  # what rebuilding the parameter (DataParallel replication) leaves
+    with pytest.raises(ShapeContractError, match=r"layers\.0\.mlp\.down_proj\.weight: .*no quant_state"):
+        dense_weight("layers.0.mlp.down_proj.weight", packed)
