@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from fastft.registry import apply_patches
+from fastft.registry import STRICT_ENV, apply_patches, format_report, records
 from fastft.train import device_name, versions
 
 
@@ -52,10 +53,15 @@ def report() -> str:
     lines.append(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
     lines.append(f"  kernels       {kernel_path()}")
     lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads):"]
-    rows = apply_patches(tiny_llama())
-    if not rows:
-        lines.append("  no patches registered in this version: every module runs the stock transformers path")
-    for row in rows:
-        reason = f" ({row['reason']})" if row["reason"] else ""
-        lines.append(f"  {row['name']:<28} {row['status']}{reason}")
+    with warnings.catch_warnings():
+        # A skip is shown in the report itself, with its reason.
+        warnings.simplefilter("ignore", UserWarning)
+        rows = apply_patches(tiny_llama())
+    lines.append(format_report(rows))
+    lines += ["", "registered patches and the versions each record was tested against:"]
+    for name, group in records().items():
+        for record in group:
+            lines.append(f"  {name:<22} {record.tested()}")
+    if os.environ.get(STRICT_ENV, "0") not in ("", "0"):
+        lines.append(f"  {STRICT_ENV}={os.environ[STRICT_ENV]}: a skipped patch is an error")
     return "\n".join(lines)

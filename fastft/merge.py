@@ -72,6 +72,13 @@ def _lora_delta(name: str, layer: LoraLayer) -> torch.Tensor | None:
     return delta
 
 
+def _config_has_dtype() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (4, 56)
+
+
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's state dict with every active LoRA update merged in, in ``dtype`` on the CPU.
 
@@ -131,7 +138,12 @@ def save_merged(
     # The saved weights are dense: a bitsandbytes or GGUF entry would make transformers expect packed ones.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = dtype
+    # transformers 4.x records the pre-quantisation torch.dtype on 4-bit loads and drops it on save only while
+    # quantization_config is still there; left alone it breaks the JSON of the saved config.
+    if hasattr(config, "_pre_quantization_dtype"):
+        del config._pre_quantization_dtype
+    # Before 4.56 the config serialises only `torch_dtype` (a torch.dtype under `dtype` is not JSON).
+    setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
     config.use_cache = True
     embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
     tied = getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None

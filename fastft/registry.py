@@ -1,58 +1,296 @@
-"""Patch registry: which fastft patch applies to a model instance, and what happened to each.
+"""Version-pinned patch registry: which fastft patch runs on which library versions, per model instance.
 
-Every patch is applied to one model instance (never to the upstream classes), and its outcome is recorded on
-that instance so :func:`patch_report` can show it. No patch is registered yet: every model runs the stock
-transformers + peft path until the kernel patches land.
+A patch is known by its name (``"llama.rms_norm"``) and may have several :class:`PatchRecord` s, one per range of
+upstream versions it was written and tested against. For each name, :func:`apply_patches` picks the one record whose
+ranges hold the installed versions, checks that the upstream object still has the signature the record was written
+for, and only then changes the model instance (swapping one module's class; upstream classes and functions are
+never edited). A name with no matching record, or a changed signature, is skipped: the model keeps the stock
+upstream module there, one ``UserWarning`` says which patches were skipped and why, and ``FASTFT_STRICT=1`` turns
+that into a :class:`PatchSkippedError` before anything is changed.
+
+Supporting a new transformers release is a new record beside the old one::
+
+    register(PatchRecord(name="llama.rms_norm", target=..., versions={"transformers": ">=5.24,<=5.30.1"}, ...))
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 _REPORT_ATTR = "_fastft_patch_report"
+STRICT_ENV = "FASTFT_STRICT"
+
+APPLIED = "applied"
+SKIPPED = "skipped"
+NOT_APPLICABLE = "not applicable"
+DISABLED = "disabled"
+
+
+class PatchSkippedError(RuntimeError):
+    """A patch was skipped while ``FASTFT_STRICT=1`` asked for every patch to apply."""
 
 
 @dataclass(frozen=True)
-class Patch:
-    """One registered patch.
+class PatchRecord:
+    """One patch, as written and tested against one range of upstream versions.
 
     Attributes:
-        name: Stable name shown in reports, e.g. ``"llama.rms_norm"``.
-        target: The upstream object it replaces, as a dotted path.
-        apply: Applies the patch to one model instance; returns a reason string when it chose to skip.
+        name: Stable name shown in reports, e.g. ``"llama.rms_norm"``. Records sharing a name are versions of one
+            patch; at most one of them may match any set of installed versions.
+        target: Dotted path of the upstream object the patch stands in for, e.g.
+            ``"transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"``.
+        versions: Library name to the ``packaging`` specifier of the versions the record was tested against,
+            e.g. ``{"transformers": ">=4.53.3,<=4.57.6"}``.
+        fingerprint: The target's signature as :func:`signature_fingerprint` writes it, when the record was written.
+        applies_to: Given the model, a reason it does not apply (another architecture, another activation), or
+            ``None`` when it does.
+        apply: Patches one model instance; returns how many modules it changed.
+        replacement: What the patch puts in place (e.g. the module subclass), for reports and tests.
     """
 
     name: str
     target: str
-    apply: Callable[[torch.nn.Module], str | None]
+    versions: Mapping[str, str]
+    fingerprint: str
+    applies_to: Callable[[torch.nn.Module], str | None]
+    apply: Callable[[torch.nn.Module], int]
+    replacement: Any = None
+    specifiers: Mapping[str, SpecifierSet] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specifiers", {lib: SpecifierSet(spec) for lib, spec in self.versions.items()})
+
+    def tested(self) -> str:
+        """The record's ranges as text, e.g. ``"transformers >=4.53.3,<=4.57.6"``."""
+        return ", ".join(f"{lib} {spec}" for lib, spec in self.versions.items())
 
 
-PATCHES: list[Patch] = []
+_RECORDS: dict[str, list[PatchRecord]] = {}
+_WARNED: set[str] = set()
+
+
+def register(record: PatchRecord) -> PatchRecord:
+    """Add a record to the registry.
+
+    Args:
+        record: The record. Its ranges must not overlap those of another record with the same name.
+
+    Returns:
+        The record, so a module can keep a reference.
+
+    Raises:
+        ValueError: A record of the same name already covers a version this one covers (checked on the endpoints
+            and the lowest version of each range).
+    """
+    for other in _RECORDS.get(record.name, []):
+        shared = set(other.versions) & set(record.versions)
+        if shared and all(_ranges_overlap(other.versions[lib], record.versions[lib]) for lib in shared):
+            raise ValueError(
+                f"fastft.registry: {record.name} has two records for overlapping versions: "
+                f"[{other.tested()}] and [{record.tested()}]; narrow one of them."
+            )
+    _RECORDS.setdefault(record.name, []).append(record)
+    return record
+
+
+def _ranges_overlap(a: str, b: str) -> bool:
+    specs = [*SpecifierSet(a), *SpecifierSet(b)]
+    probes = {Version(spec.version) for spec in specs if _is_version(spec.version)}
+    return any(probe in SpecifierSet(a) and probe in SpecifierSet(b) for probe in probes)
+
+
+def _is_version(text: str) -> bool:
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
+
+
+def records() -> dict[str, list[PatchRecord]]:
+    """Every registered record, by patch name, in registration order."""
+    _load_builtin_patches()
+    return {name: list(group) for name, group in _RECORDS.items()}
+
+
+def _load_builtin_patches() -> None:
+    # The per-architecture patch modules register themselves on import; they sit below this layer.
+    importlib.import_module("fastft.patches")
+
+
+def installed_version(library: str) -> str | None:
+    """The installed version of ``library``, as the imported module reports it (``None`` when not installed).
+
+    The module's ``__version__`` comes first, so a test can pretend another version is installed.
+    """
+    try:
+        module = importlib.import_module(library)
+    except ImportError:
+        return None
+    version = getattr(module, "__version__", None)
+    if version is None:
+        try:
+            version = metadata.version(library)
+        except metadata.PackageNotFoundError:
+            return None
+    return str(version)
+
+
+def resolve_target(path: str) -> Any:
+    """Import the object at a dotted path such as ``"pkg.module.Class.method"``.
+
+    Raises:
+        ImportError: No prefix of the path is an importable module, or an attribute along it is missing.
+    """
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if not hasattr(obj, attribute):
+                raise ImportError(f"{'.'.join(parts[:split])} has no attribute path {'.'.join(parts[split:])}")
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(f"no module along {path} can be imported")
+
+
+def signature_fingerprint(obj: Callable[..., Any]) -> str:
+    """The parts of a callable's signature a replacement depends on: names, kinds and defaults, in order.
+
+    Annotations are left out: upstream rewrites ``Optional[X]`` as ``X | None`` between releases without changing
+    what a caller may pass.
+    """
+    parts = []
+    for parameter in inspect.signature(obj).parameters.values():
+        text = parameter.name
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            text = "*" + text
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            text = "**" + text
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            text = "kw:" + text
+        if parameter.default is not parameter.empty:
+            text += f"={parameter.default!r}"
+        parts.append(text)
+    return "(" + ", ".join(parts) + ")"
+
+
+def _versions_of(libraries: set[str]) -> dict[str, str | None]:
+    return {library: installed_version(library) for library in sorted(libraries)}
+
+
+def _matches(record: PatchRecord, installed: Mapping[str, str | None]) -> bool:
+    for library, specifier in record.specifiers.items():
+        version = installed.get(library)
+        if version is None:
+            return False
+        try:
+            if not specifier.contains(Version(version), prereleases=True):
+                return False
+        except InvalidVersion:
+            return False
+    return True
+
+
+def select(name: str, group: list[PatchRecord]) -> tuple[PatchRecord | None, str]:
+    """Pick the record of one patch for the installed versions and check its fingerprint.
+
+    Args:
+        name: The patch name.
+        group: Its records.
+
+    Returns:
+        ``(record, "")`` when one matches and its target's signature is unchanged, else ``(None, reason)``.
+    """
+    installed = _versions_of({library for record in group for library in record.versions})
+    matching = [record for record in group if _matches(record, installed)]
+    if not matching:
+        have = ", ".join(f"{library} {version or 'not installed'}" for library, version in installed.items())
+        tested = "; ".join(record.tested() for record in group)
+        return None, f"installed {have} is outside every tested range ({tested})"
+    record = matching[0]
+    try:
+        target = resolve_target(record.target)
+    except ImportError as error:
+        return None, f"upstream {record.target} is gone ({error})"
+    found = signature_fingerprint(target)
+    if found != record.fingerprint:
+        return None, (
+            f"upstream {record.target} changed its signature: tested against {record.fingerprint}, "
+            f"installed has {found}"
+        )
+    return record, ""
+
+
+def _strict() -> bool:
+    return os.environ.get(STRICT_ENV, "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def apply_patches(model: torch.nn.Module, enabled: bool = True) -> list[dict]:
-    """Apply every registered patch to ``model`` and record the outcome on it.
+    """Apply every registered patch that fits the installed versions to ``model`` and record the outcome on it.
 
     Args:
-        model: The model instance to patch.
+        model: The model instance to patch (a transformers ``PreTrainedModel``).
         enabled: ``False`` records every patch as ``"disabled"`` and changes nothing (``patch=False``).
 
     Returns:
         The report, as :func:`patch_report` returns it.
+
+    Raises:
+        PatchSkippedError: ``FASTFT_STRICT=1`` and a patch that applies to this model was skipped; raised before
+            any patch is applied.
     """
-    report = []
-    for patch in PATCHES:
+    plan = []
+    for name, group in records().items():
+        row = {"name": name, "target": group[0].target, "status": "", "reason": "", "tested": "", "modules": 0}
+        record = None
         if not enabled:
-            report.append({"name": patch.name, "status": "disabled", "reason": "patch=False"})
-            continue
-        reason = patch.apply(model)
-        status = "applied" if reason is None else "skipped"
-        report.append({"name": patch.name, "status": status, "reason": reason or ""})
+            row.update(status=DISABLED, reason="patch=False")
+        else:
+            record, reason = select(name, group)
+            not_applicable = (record or group[0]).applies_to(model)
+            if not_applicable:
+                row.update(status=NOT_APPLICABLE, reason=not_applicable)
+                record = None
+            elif record is None:
+                row.update(status=SKIPPED, reason=reason, tested="; ".join(r.tested() for r in group))
+            else:
+                row.update(target=record.target, tested=record.tested())
+        plan.append((row, record))
+
+    skipped = [row for row, _ in plan if row["status"] == SKIPPED]
+    if skipped:
+        message = "fastft: running the stock upstream path for " + "; ".join(
+            f"{row['name']} ({row['reason']})" for row in skipped
+        )
+        if _strict():
+            raise PatchSkippedError(
+                f"{message}. {STRICT_ENV}=1 forbids skipping a patch: install a tested version "
+                f"(README, 'Supported versions') or unset {STRICT_ENV}."
+            )
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message + ". Training is correct but slower.", UserWarning, stacklevel=3)
+
+    for row, record in plan:
+        if record is not None:
+            row.update(status=APPLIED, modules=record.apply(model))
+    report = [row for row, _ in plan]
     setattr(model, _REPORT_ATTR, report)
-    return report
+    return [dict(row) for row in report]
 
 
 def patch_report(model: torch.nn.Module) -> list[dict]:
@@ -62,8 +300,10 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
         model: A model from ``FastModel.from_pretrained`` or ``FastModel.get_peft_model``.
 
     Returns:
-        One dict per registered patch with keys ``name``, ``status`` (``"applied"``, ``"skipped"`` or
-        ``"disabled"``) and ``reason``. Empty while no patch is registered.
+        One dict per registered patch with keys ``name``, ``status`` (``"applied"``, ``"skipped"``,
+        ``"not applicable"`` or ``"disabled"``), ``reason`` (why it was skipped or does not apply), ``target``
+        (the upstream object it stands in for), ``tested`` (the version ranges of the record used, or of every
+        record when none matched) and ``modules`` (how many modules it changed).
 
     Raises:
         ValueError: ``model`` did not come through ``FastModel``.
@@ -76,3 +316,12 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
             "so fastft has no patch record for it."
         )
     return [dict(row) for row in report]
+
+
+def format_report(report: list[dict]) -> str:
+    """The report as aligned text lines, as ``fastft doctor`` prints it."""
+    lines = []
+    for row in report:
+        detail = row["reason"] or (f"{row['modules']} modules; tested {row['tested']}" if row["tested"] else "")
+        lines.append(f"  {row['name']:<22} {row['status']:<15} {detail}".rstrip())
+    return "\n".join(lines)

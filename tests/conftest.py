@@ -97,6 +97,20 @@ def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, scale: float 
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(KERNEL_DEVICE)
 
 
+@pytest.fixture(autouse=True)
+def _reference_kernels_unless_asked(request):
+    """Model tests that don't ask for ``kernel_path`` run the kernels' torch reference: through the interpreter, a
+    patched model's kernels take seconds per step, and those tests check something else. The kernel tests
+    (test_kernel_*.py) choose their path themselves."""
+    from fastft.kernels import dispatch
+
+    if "kernel_path" in request.fixturenames or request.module.__name__.startswith("test_kernel_"):
+        yield
+        return
+    with dispatch.force_reference():
+        yield
+
+
 @pytest.fixture(params=["triton", "reference"])
 def kernel_path(request):
     """Run the test once through the Triton kernels and once through the torch reference, outputs poisoned."""

@@ -6,7 +6,6 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
-from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
 
 from fastft.kernels.errors import ShapeContractError
@@ -18,8 +17,17 @@ from fastft.kernels.nf4 import (
     nf4_linear,
 )
 
-# bitsandbytes' pure-torch backend, un-compiled: the oracle for layouts its native CPU kernel gets wrong (below).
-_bnb_torch_dequantize = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)
+
+def _bnb_torch_dequantize(*args, **kwargs):
+    """bitsandbytes' pure-torch backend, un-compiled: the oracle for layouts its native CPU kernel gets wrong (below).
+
+    Imported here, not at module level: the name is bitsandbytes 0.50's, and the version lanes collect this file
+    with older releases installed (they run only the lane-marked tests).
+    """
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+
+    return getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)(*args, **kwargs)
+
 
 # [out, in, blocksize]: round shapes; in < blocksize; in a multiple of 16 but not of the blocksize (576 / 256);
 # odd in (rows straddle bytes, out*in not a multiple of the blocksize); an odd value count (a padding nibble);

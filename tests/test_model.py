@@ -41,7 +41,9 @@ def test_from_pretrained_local_dir(tiny_llama_dir):
     assert model.dtype == torch.float32
     assert tokenizer.model_max_length == 96 and tokenizer.pad_token is not None
     assert model.max_seq_length == 96
-    assert patch_report(model) == []
+    # Every registered patch has a recorded outcome (test_registry.py checks which one and why).
+    report = patch_report(model)
+    assert report and all(row["status"] in ("applied", "skipped", "not applicable") for row in report)
     logits = model(_input_ids(model.config.vocab_size)).logits
     assert logits.shape == (2, 17, model.config.vocab_size) and torch.isfinite(logits).all()
 

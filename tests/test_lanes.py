@@ -1,0 +1,173 @@
+"""The per-version lanes: their pins, CI's call of .ci/lanes.py, and the README table they back (no venv is built)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+PINNED = ("transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
+# The supported sets (issue 4), written out here so that an edit of a lane file has to be made twice to pass.
+SUPPORTED = {
+    "oldest": ("4.53.3", "0.16.0", "0.19.1", "0.46.1", "1.8.1", "3.6.0"),
+    "last-4x": ("4.57.6", "0.17.1", "0.24.0", "0.48.2", "1.10.1", "4.0.0"),
+    "early-5x": ("5.5.4", "0.19.1", "1.0.0", "0.49.2", "1.13.0", "4.7.0"),
+    "newest": ("5.23.0", "0.21.2", "1.16.0", "0.50.2", "1.15.0", "5.2.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def lanes():
+    """.ci/lanes.py imported as a module (it is a script in a dot-folder, not a package)."""
+    spec = importlib.util.spec_from_file_location("fastft_ci_lanes", ROOT / ".ci" / "lanes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_lane_files_pin_exactly_the_supported_sets(lanes):
+    found = {lane.name: lane for lane in lanes.all_lanes()}
+    assert list(found) == list(SUPPORTED), "lanes, oldest transformers first"
+    for name, versions in SUPPORTED.items():
+        assert found[name].pins == dict(zip(PINNED, versions, strict=True)), name
+        assert found[name].path.read_text().splitlines()[0].startswith(f"# lane: {name} ")
+
+
+def test_constraints_pin_torch_2_13_only():
+    text = (ROOT / ".ci" / "lanes" / "constraints.txt").read_text()
+    requirements = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert requirements == ["torch==2.13.0"]
+
+
+def test_pyproject_lower_bounds_are_the_oldest_lane(lanes):
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    oldest = {lane.name: lane for lane in lanes.all_lanes()}["oldest"].pins
+    for name in PINNED:
+        (bound,) = [spec for r in requirements if r.name == name for spec in r.specifier if spec.operator == ">="]
+        assert Version(bound.version) == Version(oldest[name]), name
+    # Every other runtime dependency is installed into each lane by the script.
+    extras = {Requirement(text).name for text in lanes.EXTRA_REQUIREMENTS}
+    missing = [r.name for r in requirements if r.name not in (*PINNED, "torch", "ruff") and r.name not in extras]
+    assert missing == [], f"add to EXTRA_REQUIREMENTS in .ci/lanes.py: {missing}"
+
+
+def test_a_lane_file_must_pin_exactly_and_name_itself(lanes, tmp_path):
+    good = ["transformers==4.53.3", "peft==0.16.0", "trl==0.19.1", "bitsandbytes==0.46.1", "accelerate==1.8.1"]
+    path = tmp_path / "mine.txt"
+    path.write_text("\n".join(["# lane: mine", *good, "datasets>=3.6"]))
+    with pytest.raises(lanes.LaneError, match=r"mine.txt:7: expected an exact pin 'name==version', found 'datasets>="):
+        lanes.read_lane(path)
+    path.write_text("\n".join(["# lane: other", *good, "datasets==3.6.0"]))
+    with pytest.raises(lanes.LaneError, match="first line must be '# lane: mine"):
+        lanes.read_lane(path)
+    path.write_text("\n".join(["# lane: mine", *good]))
+    with pytest.raises(lanes.LaneError, match="pins no version of datasets"):
+        lanes.read_lane(path)
+
+
+def test_version_check_names_each_library_off_its_pin(lanes, tmp_path, monkeypatch):
+    # A "venv" whose python is this interpreter, so the check reads this environment's versions.
+    (tmp_path / "here" / "bin").mkdir(parents=True)
+    (tmp_path / "here" / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setattr(lanes, "VENVS", tmp_path)
+    monkeypatch.setattr(lanes, "TORCH_VERSION", metadata.version("torch"))
+    installed = {name: metadata.version(name) for name in PINNED}
+    lanes.check_versions(lanes.Lane("here", tmp_path / "here.txt", installed))
+
+    with pytest.raises(lanes.LaneError, match=rf"peft is {re.escape(installed['peft'])}, expected 0\.0\.1"):
+        lanes.check_versions(lanes.Lane("here", tmp_path / "here.txt", {**installed, "peft": "0.0.1"}))
+    monkeypatch.setattr(lanes, "TORCH_VERSION", "2.13.0+cu130")
+    with pytest.raises(lanes.LaneError, match=r"torch is .*, expected 2\.13\.0\+cu130.*--rebuild"):
+        lanes.check_versions(lanes.Lane("here", tmp_path / "here.txt", installed))
+
+
+def test_torch_comes_from_a_local_cpu_wheel(lanes, tmp_path, monkeypatch):
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheel = tmp_path / f"torch-2.13.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl"
+    wheel.touch()
+    monkeypatch.delenv("FASTFT_TORCH_WHEEL", raising=False)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    assert lanes.find_torch_wheel() == wheel
+    monkeypatch.setenv("FASTFT_TORCH_WHEEL", str(tmp_path / "missing.whl"))
+    with pytest.raises(lanes.LaneError, match="missing.whl is not a file"):
+        lanes.find_torch_wheel()
+
+
+def test_list_shows_every_lane_oldest_first():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "lanes.py"), "--list"], capture_output=True, text=True, check=True
+    )
+    names = [line.split()[0] for line in result.stdout.splitlines() if not line.startswith("warning:")]
+    assert names == list(SUPPORTED)
+    assert "transformers 4.53.3 peft 0.16.0 trl 0.19.1" in result.stdout
+
+
+def test_ci_runs_every_lane_after_the_main_suite():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "set -euo pipefail" in lines
+    main = next(index for index, line in enumerate(lines) if "pytest -q" in line and not line.startswith("#"))
+    assert "python .ci/lanes.py" in lines[main + 1 :]
+
+
+def _supported_versions_table(readme: str) -> list[list[str]]:
+    lines = readme.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("#") and "Supported versions" in line), None)
+    assert start is not None, "README.md has no heading containing 'Supported versions'"
+    header = "| lane | " + " | ".join(PINNED) + " |"
+    rows, in_table = [], False
+    for line in lines[start + 1 :]:
+        if line.startswith("#"):
+            break
+        cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        if not in_table:
+            in_table = re.sub(r"\s+", " ", line.strip()) == header
+        elif not line.strip().startswith("|"):
+            break
+        elif not all(re.fullmatch(r":?-+:?", cell) for cell in cells):
+            rows.append(cells)
+    assert in_table, f"README.md's 'Supported versions' section has no table with the header {header}"
+    return rows
+
+
+def test_the_table_reader_takes_only_the_lane_table_of_its_section():
+    readme = "\n".join(
+        [
+            "## Install",
+            "| lane | transformers | peft | trl | bitsandbytes | accelerate | datasets |",
+            "|---|---|---|---|---|---|---|",
+            "| wrong | 1 | 1 | 1 | 1 | 1 | 1 |",
+            "## Supported versions",
+            "| library | lowest |",
+            "|---|---|",
+            "| torch | 2.11 |",
+            "",
+            "|  lane  | transformers | peft | trl | bitsandbytes | accelerate | datasets |",
+            "|:-------|---|---|---|---|---|---:|",
+            "| `oldest` | 4.53.3 | 0.16.0 | 0.19.1 | 0.46.1 | 1.8.1 | 3.6.0 |",
+            "| newest | 5.23.0 | 0.21.2 | 1.16.0 | 0.50.2 | 1.15.0 | 5.2.0 |",
+            "",
+            "| newer | 9 | 9 | 9 | 9 | 9 | 9 |",
+        ]
+    )
+    assert _supported_versions_table(readme) == [
+        ["oldest", "4.53.3", "0.16.0", "0.19.1", "0.46.1", "1.8.1", "3.6.0"],
+        ["newest", "5.23.0", "0.21.2", "1.16.0", "0.50.2", "1.15.0", "5.2.0"],
+    ]
+
+
+def test_readme_supported_versions_table_lists_exactly_the_lanes(lanes):
+    rows = _supported_versions_table((ROOT / "README.md").read_text())
+    expected = [[lane.name, *(lane.pins[name] for name in PINNED)] for lane in lanes.all_lanes()]
+    assert rows == expected
