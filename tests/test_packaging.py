@@ -40,3 +40,17 @@ def test_public_api_names():
     for name in ("from_pretrained", "get_peft_model", "for_inference", "for_training", "save_merged"):
         assert callable(getattr(FastModel, name))
     assert callable(patch_report)
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    # An editable install finds subpackages on disk; a wheel ships only what pyproject lists.
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(root).parts) for init in (root / "fastft").rglob("__init__.py")} | {
+        "fastft.kernels"
+    }
+    assert on_disk <= listed, f"add {sorted(on_disk - listed)} to [tool.setuptools] packages in pyproject.toml"
