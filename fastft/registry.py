@@ -235,16 +235,18 @@ def select(name: str, group: list[PatchRecord]) -> tuple[PatchRecord | None, str
     return record, ""
 
 
-def _strict() -> bool:
+def strict_mode() -> bool:
+    """Whether ``FASTFT_STRICT`` asks for a skipped patch to be an error."""
     return os.environ.get(STRICT_ENV, "0").strip().lower() not in ("", "0", "false", "no")
 
 
-def apply_patches(model: torch.nn.Module, enabled: bool = True) -> list[dict]:
+def apply_patches(model: torch.nn.Module, enabled: bool = True, strict: bool | None = None) -> list[dict]:
     """Apply every registered patch that fits the installed versions to ``model`` and record the outcome on it.
 
     Args:
         model: The model instance to patch (a transformers ``PreTrainedModel``).
         enabled: ``False`` records every patch as ``"disabled"`` and changes nothing (``patch=False``).
+        strict: Raise instead of skipping; ``None`` reads ``FASTFT_STRICT`` from the environment.
 
     Returns:
         The report, as :func:`patch_report` returns it.
@@ -276,7 +278,7 @@ def apply_patches(model: torch.nn.Module, enabled: bool = True) -> list[dict]:
         message = "fastft: running the stock upstream path for " + "; ".join(
             f"{row['name']} ({row['reason']})" for row in skipped
         )
-        if _strict():
+        if strict_mode() if strict is None else strict:
             raise PatchSkippedError(
                 f"{message}. {STRICT_ENV}=1 forbids skipping a patch: install a tested version "
                 f"(README, 'Supported versions') or unset {STRICT_ENV}."

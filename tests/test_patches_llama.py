@@ -188,3 +188,16 @@ def test_patched_modules_never_replace_the_decoder_layer_forward(tiny_llama_dir)
             "__static_attributes__",
         }
     assert inspect.getmodule(type(layer.self_attn)) is llama_patches
+
+
+def test_a_patched_model_deep_copies_and_pickles(tiny_llama_dir, tmp_path):
+    import copy
+    import pickle
+
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert type(clone.model.layers[0].self_attn) is type(model.model.layers[0].self_attn)
+            assert torch.equal(clone(input_ids=ids).logits, expected)

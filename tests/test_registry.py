@@ -212,3 +212,13 @@ def test_every_record_is_run_by_some_lane():
                 if all(Version(pins[lib]) in spec for lib, spec in record.specifiers.items() if lib in pins)
             ]
             assert covered, f"{name} [{record.tested()}] is run by no lane in {LANES}"
+
+
+def test_doctor_reports_skips_under_strict_mode_instead_of_raising(monkeypatch):
+    from fastft.doctor import report
+
+    _pretend_transformers(monkeypatch, "99.0")
+    monkeypatch.setenv(registry.STRICT_ENV, "1")
+    text = report()
+    assert "llama.rms_norm         skipped" in text and "transformers 99.0" in text
+    assert "FASTFT_STRICT=1: a skipped patch is an error; loading a Llama here raises PatchSkippedError" in text
