@@ -102,6 +102,25 @@ class FastLlamaAttention(upstream.LlamaAttention):
         return _attend_and_project(self, interface, query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
 
 
+def _attend_with_cache_position(
+    module: upstream.LlamaAttention,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    cache_position: torch.LongTensor | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The transformers 4.53–4.57 body: the cache update takes sin / cos (RoPE-aware caches) and cache_position
+    (the static cache), and the attention function is looked up by name."""
+    query, key, value, cos, sin = _project_and_rotate(module, hidden_states, position_embeddings)
+    if cache is not None:
+        cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+        key, value = cache.update(key, value, module.layer_idx, cache_kwargs)
+    interface = _interface_by_name(module)
+    return _attend_and_project(module, interface, query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+
+
 class FastLlamaAttention456(upstream.LlamaAttention):
     """``LlamaAttention`` of transformers 4.56–4.57 (``past_key_values`` and ``cache_position``) with the RoPE
     kernel."""
@@ -117,13 +136,9 @@ class FastLlamaAttention456(upstream.LlamaAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Upstream accepts the pre-4.56 name through a deprecation shim; so does this forward.
         past_key_values = kwargs.pop("past_key_value", past_key_values)
-        query, key, value, cos, sin = _project_and_rotate(self, hidden_states, position_embeddings)
-        if past_key_values is not None:
-            # A static cache needs cache_position; sin / cos are what RoPE-aware caches expect.
-            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
-            key, value = past_key_values.update(key, value, self.layer_idx, cache_kwargs)
-        interface = _interface_by_name(self)
-        return _attend_and_project(self, interface, query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+        return _attend_with_cache_position(
+            self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, kwargs
+        )
 
 
 class FastLlamaAttention453(upstream.LlamaAttention):
@@ -139,12 +154,9 @@ class FastLlamaAttention453(upstream.LlamaAttention):
         cache_position: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query, key, value, cos, sin = _project_and_rotate(self, hidden_states, position_embeddings)
-        if past_key_value is not None:
-            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
-            key, value = past_key_value.update(key, value, self.layer_idx, cache_kwargs)
-        interface = _interface_by_name(self)
-        return _attend_and_project(self, interface, query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+        return _attend_with_cache_position(
+            self, hidden_states, position_embeddings, attention_mask, past_key_value, cache_position, kwargs
+        )
 
 
 def _swap_class(upstream_class: type, fast_class: type) -> Callable[[torch.nn.Module], int]:
