@@ -160,6 +160,14 @@ def _adapter_tensors(adapter_path: str | Path, hub_kwargs: dict[str, Any]) -> di
     raise FileNotFoundError(f"fastft.load_adapter: {adapter_path} has neither of {list(_ADAPTER_WEIGHTS)}.")
 
 
+def _check_base(model: torch.nn.Module) -> None:
+    # Every entry point that receives a base model: projections against the config, 4-bit weights with their
+    # quant_state, and the per-forward 4-bit guards (adding them again is a no-op).
+    check_projections(model)
+    check_quant_states(model)
+    guard_4bit(model)
+
+
 class FastModel:
     """Entry points of fastft. All methods are static; the models they return are plain transformers / peft
     objects, usable wherever those are."""
@@ -239,9 +247,7 @@ class FastModel:
             load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
         load_kwargs.update(hf_kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs)
-        check_projections(model)
-        check_quant_states(model)
-        guard_4bit(model)
+        _check_base(model)
         if load_in_4bit:
             _guard_bnb_cpu_repack(model, torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
@@ -308,9 +314,7 @@ class FastModel:
                 f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
                 f"{type(model).__name__}; its linear layers are {sorted(available)}."
             )
-        check_projections(model)
-        check_quant_states(model)
-        guard_4bit(model)
+        _check_base(model)
         if not hasattr(model, "_fastft_patch_report"):
             apply_patches(model)
         for parameter in model.parameters():
@@ -374,9 +378,7 @@ class FastModel:
                 f"fastft.load_adapter: {adapter_path} is a {adapter_config.get('peft_type')} adapter; fastft loads "
                 "LoRA adapters. Use peft.PeftModel.from_pretrained for other methods."
             )
-        check_projections(model)
-        check_quant_states(model)
-        guard_4bit(model)
+        _check_base(model)
         check_adapter_tensors(model, _adapter_tensors(adapter_path, hub_kwargs), adapter_config)
         options = {"adapter_name": adapter_name, "is_trainable": is_trainable, **hub_kwargs}
         if isinstance(model, PeftModel):
