@@ -29,6 +29,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 _REPORT_ATTR = "_fastft_patch_report"
+_RECORDS_ATTR = "_fastft_applied_records"
 STRICT_ENV = "FASTFT_STRICT"
 
 APPLIED = "applied"
@@ -57,6 +58,8 @@ class PatchRecord:
             ``None`` when it does.
         apply: Patches one model instance; returns how many modules it changed.
         replacement: What the patch puts in place (e.g. the module subclass), for reports and tests.
+        fallbacks: Given the model, the patched places that currently run the stock path instead (a layer name to
+            the reason), for patches that decide per layer; None for all-or-nothing patches.
     """
 
     name: str
@@ -66,6 +69,7 @@ class PatchRecord:
     applies_to: Callable[[torch.nn.Module], str | None]
     apply: Callable[[torch.nn.Module], int]
     replacement: Any = None
+    fallbacks: Callable[[torch.nn.Module], dict[str, str]] | None = None
     specifiers: Mapping[str, SpecifierSet] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -287,12 +291,27 @@ def apply_patches(model: torch.nn.Module, enabled: bool = True, strict: bool | N
             _WARNED.add(message)
             warnings.warn(message + ". Training is correct but slower.", UserWarning, stacklevel=3)
 
+    applied = {}
     for row, record in plan:
         if record is not None:
             row.update(status=APPLIED, modules=record.apply(model))
+            # The record's position, not the record: its callables are closures, and models must still pickle.
+            applied[row["name"]] = records()[row["name"]].index(record)
     report = [row for row, _ in plan]
     setattr(model, _REPORT_ATTR, report)
-    return [dict(row) for row in report]
+    setattr(model, _RECORDS_ATTR, applied)
+    return _with_fallbacks(model, report)
+
+
+def _with_fallbacks(model: torch.nn.Module, report: list[dict]) -> list[dict]:
+    applied = getattr(model, _RECORDS_ATTR, {})
+    rows = []
+    for row in report:
+        index = applied.get(row["name"])
+        record = None if index is None else records()[row["name"]][index]
+        fallbacks = record.fallbacks(model) if record is not None and record.fallbacks is not None else {}
+        rows.append({**row, "fallbacks": fallbacks})
+    return rows
 
 
 def patch_report(model: torch.nn.Module) -> list[dict]:
@@ -305,7 +324,9 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
         One dict per registered patch with keys ``name``, ``status`` (``"applied"``, ``"skipped"``,
         ``"not applicable"`` or ``"disabled"``), ``reason`` (why it was skipped or does not apply), ``target``
         (the upstream object it stands in for), ``tested`` (the version ranges of the record used, or of every
-        record when none matched) and ``modules`` (how many modules it changed).
+        record when none matched), ``modules`` (how many modules it changed) and ``fallbacks`` (for per-layer
+        patches: each patched layer that runs the stock path as the model stands now, with the reason, e.g.
+        ``{"model.layers.0.mlp": "gate_proj: lora_dropout p=0.1 (fused only without dropout)"}``).
 
     Raises:
         ValueError: ``model`` did not come through ``FastModel``.
@@ -317,7 +338,7 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
             f"fastft.patch_report: {type(model).__name__} was not loaded with FastModel.from_pretrained, "
             "so fastft has no patch record for it."
         )
-    return [dict(row) for row in report]
+    return _with_fallbacks(base, report)
 
 
 def format_report(report: list[dict]) -> str:
@@ -326,4 +347,6 @@ def format_report(report: list[dict]) -> str:
     for row in report:
         detail = row["reason"] or (f"{row['modules']} modules; tested {row['tested']}" if row["tested"] else "")
         lines.append(f"  {row['name']:<22} {row['status']:<15} {detail}".rstrip())
+        for layer, reason in row.get("fallbacks", {}).items():
+            lines.append(f"    stock path: {layer}: {reason}")
     return "\n".join(lines)

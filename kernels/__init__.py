@@ -14,6 +14,10 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
                                 causal-LM loss of ``hidden @ weight.T`` without the [tokens, vocab] logits.
 ``dequantize_nf4(packed, qs)``  bitsandbytes NF4 weight to dense [out, in], bit-identical to bitsandbytes.
 ``nf4_linear(x, packed, qs)``   ``x @ W.T`` over an NF4 weight, dequantised again in backward (never saved).
+``lora_qkv(x, q, k, v)``        q, k, v projections with LoRA (:class:`LoRAWeights`) in one GEMM launch, the
+                                low-rank term in its epilogue; 16-bit or NF4 bases; hand-written backward.
+``lora_o(x, o)``                one projection with LoRA, the same way (attention's o_proj).
+``lora_mlp(x, gate, up, down)`` Llama's SwiGLU MLP with LoRA on all three projections; H recomputed in backward.
 ==============================  ==============================================================================
 """
 
@@ -23,6 +27,10 @@ from fastft.kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_mlp
+from fastft.kernels.lora_o import LoRAOFunction, lora_o
+from fastft.kernels.lora_projection import LoRAWeights, release_buffers
+from fastft.kernels.lora_qkv import LoRAQKVFunction, lora_qkv
 from fastft.kernels.nf4 import NF4LinearFunction, dequantize_nf4, dequantize_nf4_reference, nf4_linear
 from fastft.kernels.rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
 from fastft.kernels.rope import RoPEFunction, apply_rope, rope_reference
@@ -30,6 +38,10 @@ from fastft.kernels.swiglu import SwiGLUFunction, swiglu, swiglu_reference
 
 __all__ = [
     "FusedLinearCrossEntropyFunction",
+    "LoRAMLPFunction",
+    "LoRAOFunction",
+    "LoRAQKVFunction",
+    "LoRAWeights",
     "NF4LinearFunction",
     "RMSNormFunction",
     "RoPEFunction",
@@ -40,7 +52,11 @@ __all__ = [
     "dequantize_nf4_reference",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "lora_mlp",
+    "lora_o",
+    "lora_qkv",
     "nf4_linear",
+    "release_buffers",
     "rms_norm",
     "rms_norm_reference",
     "rope_reference",

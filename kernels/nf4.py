@@ -271,20 +271,22 @@ def _block_absmax_reference(resolved: _Resolved) -> torch.Tensor:
     return absmax + _offset_tensor(qs.offset, absmax.device)
 
 
-def _dequantize_reference(resolved: _Resolved) -> torch.Tensor:
+def _dequantize_reference(resolved: _Resolved, out: torch.Tensor | None = None) -> torch.Tensor:
     qs = resolved.quant_state
     n_elements = resolved.out_features * resolved.in_features
     packed = resolved.bytes
     codes = torch.stack((packed >> 4, packed & 0xF), dim=1).reshape(-1)[:n_elements].long()
     scales = _block_absmax_reference(resolved).repeat_interleave(qs.blocksize)[:n_elements]
     values = _nf4_table(packed.device)[codes] * scales
-    return values.to(resolved.dtype).reshape(resolved.out_features, resolved.in_features)
+    dense = values.to(resolved.dtype).reshape(resolved.out_features, resolved.in_features)
+    return dense if out is None else out.copy_(dense)
 
 
-def _dequantize_triton(resolved: _Resolved) -> torch.Tensor:
+def _dequantize_triton(resolved: _Resolved, out: torch.Tensor | None = None) -> torch.Tensor:
     qs = resolved.quant_state
     device = resolved.bytes.device
-    out = dispatch.empty((resolved.out_features, resolved.in_features), dtype=resolved.dtype, device=device)
+    if out is None:
+        out = dispatch.empty((resolved.out_features, resolved.in_features), dtype=resolved.dtype, device=device)
     n_elements = out.numel()
     if n_elements == 0:
         return out
@@ -322,7 +324,29 @@ def _dequantize_triton(resolved: _Resolved) -> torch.Tensor:
     return out
 
 
-def dequantize_nf4(packed: torch.Tensor, quant_state: Any = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _check_out(out: torch.Tensor, resolved: _Resolved) -> None:
+    expected = (resolved.out_features, resolved.in_features)
+    if tuple(out.shape) != expected or out.dtype != resolved.dtype or not out.is_contiguous():
+        raise ShapeContractError(
+            f"dequantize_nf4: out= must be a contiguous {resolved.dtype} tensor of the weight's shape "
+            f"{list(expected)}, "
+            f"got a {'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} tensor of shape {list(out.shape)}; "
+            "pass a row slice of a contiguous buffer, or out=None."
+        )
+    if out.device != resolved.bytes.device:
+        raise ValueError(
+            f"dequantize_nf4: out= is on {out.device} but the packed weight is on {resolved.bytes.device}; "
+            "allocate the buffer on the weight's device."
+        )
+
+
+def dequantize_nf4(
+    packed: torch.Tensor,
+    quant_state: Any = None,
+    *,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dequantise a bitsandbytes NF4 weight to its dense ``[out, in]`` matrix.
 
     Runs the Triton kernel where :func:`fastft.kernels.dispatch.use_triton` says so, else the torch reference; both
@@ -335,20 +359,27 @@ def dequantize_nf4(packed: torch.Tensor, quant_state: Any = None, *, dtype: torc
             ``blocksize``, ``dtype``, ``quant_type``, ``nested``, ``offset``, ``state2``). None: ``packed.quant_state``.
         dtype: The output dtype (float32, float16 or bfloat16); None: ``quant_state.dtype``. The fp32 value is
             rounded once to it.
+        out: Optional contiguous ``[out, in]`` tensor of ``dtype`` to write into (a row slice of a reused
+            buffer, say) instead of allocating.
 
     Returns:
-        The dense weight, ``[out, in]`` in ``dtype``, on packed's device. It never requires grad.
+        The dense weight, ``[out, in]`` in ``dtype``, on packed's device (``out`` itself when given). It never
+        requires grad.
 
     Raises:
         ShapeContractError: No quant_state (a rebuilt parameter lost it), a packed byte count other than
-            ``ceil(out*in/2)``, absmax / state2 sizes that do not fit the shape, a quant_type other than NF4, or
-            bitsandbytes' repacked CPU inference layout.
+            ``ceil(out*in/2)``, absmax / state2 sizes that do not fit the shape, a quant_type other than NF4,
+            bitsandbytes' repacked CPU inference layout, or an ``out`` of the wrong shape, dtype or layout.
         TypeError: An output dtype other than float32, float16 or bfloat16.
     """
+    if out is not None and dtype is None:
+        dtype = out.dtype
     resolved = _resolve("dequantize_nf4", packed, quant_state, dtype)
+    if out is not None:
+        _check_out(out, resolved)
     if dispatch.use_triton(resolved.bytes):
-        return _dequantize_triton(resolved)
-    return _dequantize_reference(resolved)
+        return _dequantize_triton(resolved, out)
+    return _dequantize_reference(resolved, out)
 
 
 def dequantize_nf4_reference(

@@ -206,6 +206,32 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate, dup
 
 
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of two contiguous same-shape buffers, no autograd (for Functions that own the buffers)."""
+    if dispatch.use_triton(gate):
+        out = dispatch.empty_like(gate)
+        if gate.numel():
+            _swiglu_forward_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK)
+        return out
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def swiglu_backward_(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``d gate`` over ``gate`` and ``d up`` over ``up`` (contiguous, non-overlapping buffers the caller owns)
+    and return them; no autograd."""
+    dh = dh.contiguous()
+    if dispatch.use_triton(dh):
+        if gate.numel():
+            _swiglu_backward_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](
+                dh, gate, up, gate, up, gate.numel(), WRITE_DGATE=True, WRITE_DUP=True, BLOCK=_BLOCK
+            )
+        return gate, up
+    g, u, d = gate.float(), up.float(), dh.float()
+    dg = torch.ops.aten.silu_backward(d * u, g)
+    du = d * F.silu(g)
+    return gate.copy_(dg), up.copy_(du)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU ``silu(gate) * up`` for Llama's MLP, Triton on CUDA (and under the interpreter), torch on CPU.
 
@@ -228,4 +254,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return SwiGLUFunction.apply(gate, up)
 
 
-__all__ = ["SwiGLUFunction", "swiglu", "swiglu_reference"]
+__all__ = ["SwiGLUFunction", "swiglu", "swiglu_backward_", "swiglu_forward", "swiglu_reference"]

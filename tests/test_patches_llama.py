@@ -1,4 +1,5 @@
-"""Llama patches (RMSNorm, RoPE in attention, SwiGLU MLP) against stock transformers + peft, in every version lane."""
+"""Llama patches (RMSNorm, attention with fused LoRA-QKV / RoPE / LoRA-O, fused LoRA-MLP, fused causal-LM loss)
+against stock transformers + peft, in every version lane."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ ZERO_GRAD_SCALE = 1e-5
 SHAPES = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa-4-2": dict(num_attention_heads=4, num_key_value_heads=2),
+    "gqa-8-2": dict(num_attention_heads=8, num_key_value_heads=2),
     "smollm2-9-3": dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3),
+    # hidden · kv / heads² = 320 · 8 / 1600 is not an integer: no formula may assume it is.
+    "40-8-hidden-320": dict(hidden_size=320, num_attention_heads=40, num_key_value_heads=8),
     "explicit-head-dim": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 
@@ -42,20 +46,26 @@ def _lora(folder: str, patch: bool, **load_kwargs):
 
 
 def _batch(vocab: int, batch: int, seq: int, pad: int = 0) -> dict[str, torch.Tensor]:
-    """Random tokens with the first ``pad`` positions of row 0 left-padded, and random targets (no shift), so a
-    single-token sequence has a loss too."""
+    """Random tokens with the first ``pad`` positions of row 0 left-padded, random targets (no shift) so a
+    single-token sequence has a loss too, and labels (shifted by the model) for the causal-LM loss."""
     generator = torch.Generator().manual_seed(seq * 31 + batch)
     input_ids = torch.randint(3, vocab, (batch, seq), generator=generator)
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[0, :pad] = 0
     targets = torch.randint(3, vocab, (batch, seq), generator=generator).masked_fill(mask == 0, -100)
-    return {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": mask, "targets": targets, "labels": labels}
 
 
 def _loss_and_grads(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's own causal-LM loss (the fused one on a patched model) plus a loss on every position's logits
+    (a single-token row has no causal-LM target), so both heads and the attention at every position are checked."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = model(**inputs).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+    if batch["input_ids"].shape[1] > 1:
+        loss = loss + model(**inputs, labels=batch["labels"]).loss
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads
@@ -87,7 +97,7 @@ def _patched_types(model) -> set[str]:
 def test_parity_with_stock_left_padded(shape, kernel_path, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer, **SHAPES[shape])
     patched, stock = _lora(folder, patch=True), _lora(folder, patch=False)
-    assert len(_patched_types(patched)) == 3 and not _patched_types(stock)
+    assert len(_patched_types(patched)) == 4 and not _patched_types(stock)
     _assert_parity(patched, stock, _batch(patched.config.vocab_size, batch=2, seq=13, pad=5))
 
 
@@ -137,18 +147,21 @@ def test_generation_with_kv_cache_matches_stock(smol_tokenizer, tmp_path):
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_report_lists_the_three_patches_as_applied(tiny_llama_dir):
+def test_report_lists_the_four_patches_as_applied(tiny_llama_dir):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
     layers = model.config.num_hidden_layers
     rows = {row["name"]: row for row in patch_report(FastModel.get_peft_model(model))}
     assert {name: row["status"] for name, row in rows.items()} == {
         "llama.rms_norm": "applied",
-        "llama.attention_rope": "applied",
-        "llama.mlp_swiglu": "applied",
+        "llama.attention": "applied",
+        "llama.mlp": "applied",
+        "llama.causal_lm_loss": "applied",
     }
     assert rows["llama.rms_norm"]["modules"] == 2 * layers + 1
-    assert rows["llama.attention_rope"]["modules"] == layers
-    assert rows["llama.mlp_swiglu"]["modules"] == layers
+    assert rows["llama.attention"]["modules"] == layers
+    assert rows["llama.mlp"]["modules"] == layers
+    assert rows["llama.causal_lm_loss"]["modules"] == 1
+    assert all(row["fallbacks"] == {} for row in rows.values())
     assert "transformers" in rows["llama.rms_norm"]["tested"]
 
 
@@ -162,8 +175,8 @@ def test_a_non_silu_mlp_is_not_applicable(smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer, hidden_act="gelu")
     model, _ = FastModel.from_pretrained(folder, max_seq_length=64)
     rows = {row["name"]: row for row in patch_report(model)}
-    assert rows["llama.mlp_swiglu"]["status"] == "not applicable"
-    assert "gelu" in rows["llama.mlp_swiglu"]["reason"]
+    assert rows["llama.mlp"]["status"] == "not applicable"
+    assert "gelu" in rows["llama.mlp"]["reason"]
     assert rows["llama.rms_norm"]["status"] == "applied"
     assert type(model.model.layers[0].mlp) is upstream.LlamaMLP
 

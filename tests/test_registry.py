@@ -19,7 +19,7 @@ from fastft.registry import PatchRecord, PatchSkippedError, records, signature_f
 pytestmark = pytest.mark.lane
 
 LANES = Path(__file__).resolve().parents[1] / ".ci" / "lanes"
-PATCH_NAMES = {"llama.rms_norm", "llama.attention_rope", "llama.mlp_swiglu"}
+PATCH_NAMES = {"llama.rms_norm", "llama.attention", "llama.mlp", "llama.causal_lm_loss"}
 
 
 @pytest.fixture(autouse=True)
@@ -102,11 +102,11 @@ def test_changed_upstream_signature_skips_that_patch_only(tiny_llama_dir, monkey
 
     monkeypatch.setattr(upstream.LlamaAttention, "forward", forward_with_a_new_argument)
     model, caught = _load(tiny_llama_dir)
-    assert len(caught) == 1 and "llama.attention_rope" in caught[0] and "changed its signature" in caught[0]
+    assert len(caught) == 1 and "llama.attention" in caught[0] and "changed its signature" in caught[0]
     rows = {row["name"]: row for row in patch_report(model)}
-    assert rows["llama.attention_rope"]["status"] == "skipped"
-    assert "sliding_window=None" in rows["llama.attention_rope"]["reason"]
-    assert rows["llama.rms_norm"]["status"] == rows["llama.mlp_swiglu"]["status"] == "applied"
+    assert rows["llama.attention"]["status"] == "skipped"
+    assert "sliding_window=None" in rows["llama.attention"]["reason"]
+    assert rows["llama.rms_norm"]["status"] == rows["llama.mlp"]["status"] == "applied"
     assert type(model.model.layers[0].self_attn) is upstream.LlamaAttention
     _assert_equal_to_stock(model, tiny_llama_dir)
 
@@ -149,13 +149,13 @@ def test_a_new_transformers_range_is_a_new_record(tiny_llama_dir, monkeypatch):
         rows["llama.rms_norm"]["status"] == "applied"
         and rows["llama.rms_norm"]["tested"] == "transformers >=99.0,<99.1"
     )
-    assert rows["llama.mlp_swiglu"]["status"] == "skipped"
+    assert rows["llama.mlp"]["status"] == "skipped"
     assert len(caught) == 1 and "llama.rms_norm" not in caught[0]
 
 
 def test_overlapping_records_are_refused(monkeypatch):
     monkeypatch.setattr(registry, "_RECORDS", {name: list(group) for name, group in records().items()})
-    current = records()["llama.mlp_swiglu"][-1]
+    current = records()["llama.mlp"][-1]
     clash = PatchRecord(
         name=current.name,
         target=current.target,

@@ -1,13 +1,20 @@
-"""Llama patches: RMSNorm, rotary embedding inside attention, and SwiGLU MLP through fastft's kernels.
+"""Llama patches: RMSNorm, attention (fused LoRA-QKV, RoPE, fused LoRA-O), the MLP (fused LoRA-MLP) and the
+causal-LM loss (fused linear cross-entropy, in :mod:`fastft.patches.llama_loss`) through fastft's kernels.
 
 Each patch swaps the class of the matching module instances of one model for a subclass defined here; the
 upstream classes, the decoder layer's forward (which transformers 5.23 wraps for checkpointing) and every other
 model are left alone. A subclass changes only ``forward``, so ``isinstance`` checks, state dicts, peft wrapping of
 the projections and hooks keep working.
 
-The attention subclasses copy the upstream forward of their version range line for line, with the rotary step
-through :func:`fastft.kernels.apply_rope`; their ``forward`` signature is the upstream one, so the decoder layer
-binds its arguments exactly as it would for stock attention. ``tests/test_patches_llama.py`` checks both.
+The attention subclasses copy the upstream forward of their version range, with q / k / v through
+:func:`fastft.kernels.lora_qkv`, the rotary step through :func:`fastft.kernels.apply_rope` and o through
+:func:`fastft.kernels.lora_o`; the attention function itself (eager / sdpa / flash, as configured) and the KV cache
+are upstream's. Their ``forward`` signature is the upstream one, so the decoder layer binds its arguments exactly as
+it would for stock attention. ``tests/test_patches_llama.py`` checks both.
+
+A group of projections that the fused kernels cannot serve (see :mod:`fastft.patches.lora_layers`: dropout, DoRA,
+bias, another quantiser, adapters disabled or merged, hooks) runs through the modules' own forwards, layer by layer;
+``patch_report`` lists those layers and why.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from typing import Any
 import torch
 from transformers.models.llama import modeling_llama as upstream
 
-from fastft.kernels import apply_rope, rms_norm, swiglu
+from fastft.kernels import apply_rope, lora_mlp, lora_o, lora_qkv, rms_norm, swiglu
+from fastft.patches.llama_loss import FastLlamaForCausalLM, head_reason
+from fastft.patches.lora_layers import group_weights
 from fastft.registry import PatchRecord, register
 
 _MODULE = "transformers.models.llama.modeling_llama"
@@ -32,21 +41,32 @@ class FastLlamaRMSNorm(upstream.LlamaRMSNorm):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+_O = ("o_proj",)
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
 class FastLlamaMLP(upstream.LlamaMLP):
-    """``LlamaMLP`` with SiLU(gate) · up through the SwiGLU kernel; the three projections are the module's own
-    (plain, LoRA-wrapped or 4-bit)."""
+    """``LlamaMLP`` as one fused LoRA-MLP node (gate / up / down with their adapters, SwiGLU between); a layer the
+    fused kernel cannot serve runs its projections' own forwards around the SwiGLU kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        weights = group_weights(self, _MLP)
+        if isinstance(weights, str):
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return lora_mlp(x, *weights)
 
 
 def _project_and_rotate(
     module: upstream.LlamaAttention, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...]
 ) -> tuple[torch.Tensor, ...]:
     hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    weights = group_weights(module, _QKV)
+    if isinstance(weights, str):
+        projected = (module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states))
+    else:
+        projected = lora_qkv(hidden_states, *weights)
+    query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in projected)
     cos, sin = position_embeddings
     query, key = apply_rope(query, key, cos, sin)
     return query, key, value, cos, sin
@@ -73,7 +93,10 @@ def _attend_and_project(
         **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(attn_output), attn_weights
+    weights = group_weights(module, _O)
+    if isinstance(weights, str):
+        return module.o_proj(attn_output), attn_weights
+    return lora_o(attn_output, *weights), attn_weights
 
 
 def _interface_by_name(module: upstream.LlamaAttention) -> Callable[..., Any]:
@@ -83,7 +106,8 @@ def _interface_by_name(module: upstream.LlamaAttention) -> Callable[..., Any]:
 
 
 class FastLlamaAttention(upstream.LlamaAttention):
-    """``LlamaAttention`` of transformers 5.x (``past_key_values``, no ``cache_position``) with the RoPE kernel."""
+    """``LlamaAttention`` of transformers 5.x (``past_key_values``, no ``cache_position``) with the fused LoRA
+    kernels and RoPE."""
 
     def forward(
         self,
@@ -123,7 +147,7 @@ def _attend_with_cache_position(
 
 class FastLlamaAttention456(upstream.LlamaAttention):
     """``LlamaAttention`` of transformers 4.56–4.57 (``past_key_values`` and ``cache_position``) with the RoPE
-    kernel."""
+    kernel and the fused LoRA kernels."""
 
     def forward(
         self,
@@ -143,7 +167,7 @@ class FastLlamaAttention456(upstream.LlamaAttention):
 
 class FastLlamaAttention453(upstream.LlamaAttention):
     """``LlamaAttention`` of transformers 4.53–4.55 (``past_key_value`` and ``cache_position``) with the RoPE
-    kernel."""
+    kernel and the fused LoRA kernels."""
 
     def forward(
         self,
@@ -189,14 +213,53 @@ def _silu_mlp_only(model: torch.nn.Module) -> str | None:
     return None
 
 
-def register_llama(transformers_range: str, attention: type, attention_fingerprint: str) -> None:
-    """Register the three Llama patches for one range of transformers versions.
+def _causal_lm_only(model: torch.nn.Module) -> str | None:
+    reason = _llama_only(model)
+    if reason:
+        return reason
+    if not any(type(module) is upstream.LlamaForCausalLM for module in model.modules()):
+        return "no LlamaForCausalLM head (a bare LlamaModel has no loss)"
+    return None
+
+
+def _group_fallbacks(fast_classes: tuple[type, ...], groups: dict[str, tuple[str, ...]]):
+    """Report which patched modules would run a group through the stock projections in training, and why."""
+
+    def fallbacks(model: torch.nn.Module) -> dict[str, str]:
+        found = {}
+        for name, module in model.named_modules():
+            if type(module) not in fast_classes:
+                continue
+            for suffix, names in groups.items():
+                weights = group_weights(module, names, training=True)
+                if isinstance(weights, str):
+                    found[f"{name}{suffix}"] = weights
+        return found
+
+    return fallbacks
+
+
+def _loss_fallbacks(model: torch.nn.Module) -> dict[str, str]:
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) is FastLlamaForCausalLM:
+            reason = head_reason(module)
+            if reason:
+                found[name or "lm_head"] = reason
+    return found
+
+
+def register_llama(
+    transformers_range: str, attention: type, attention_fingerprint: str, causal_lm_fingerprint: str
+) -> None:
+    """Register the Llama patches for one range of transformers versions.
 
     Args:
         transformers_range: The ``packaging`` specifier of the transformers versions they were tested against.
         attention: The attention subclass written for that range.
         attention_fingerprint: ``LlamaAttention.forward``'s signature in that range
             (:func:`fastft.registry.signature_fingerprint`).
+        causal_lm_fingerprint: ``LlamaForCausalLM.forward``'s signature in that range.
     """
     versions = {"transformers": transformers_range}
     register(
@@ -212,24 +275,38 @@ def register_llama(transformers_range: str, attention: type, attention_fingerpri
     )
     register(
         PatchRecord(
-            name="llama.attention_rope",
+            name="llama.attention",
             target=f"{_MODULE}.LlamaAttention.forward",
             versions=versions,
             fingerprint=attention_fingerprint,
             applies_to=_llama_only,
             apply=_swap_class(upstream.LlamaAttention, attention),
             replacement=attention,
+            fallbacks=_group_fallbacks((attention,), {".qkv": _QKV, ".o_proj": _O}),
         )
     )
     register(
         PatchRecord(
-            name="llama.mlp_swiglu",
+            name="llama.mlp",
             target=f"{_MODULE}.LlamaMLP.forward",
             versions=versions,
             fingerprint="(self, x)",
             applies_to=_silu_mlp_only,
             apply=_swap_class(upstream.LlamaMLP, FastLlamaMLP),
             replacement=FastLlamaMLP,
+            fallbacks=_group_fallbacks((FastLlamaMLP,), {"": _MLP}),
+        )
+    )
+    register(
+        PatchRecord(
+            name="llama.causal_lm_loss",
+            target=f"{_MODULE}.LlamaForCausalLM.forward",
+            versions=versions,
+            fingerprint=causal_lm_fingerprint,
+            applies_to=_causal_lm_only,
+            apply=_swap_class(upstream.LlamaForCausalLM, FastLlamaForCausalLM),
+            replacement=FastLlamaForCausalLM,
+            fallbacks=_loss_fallbacks,
         )
     )
 
@@ -240,14 +317,21 @@ register_llama(
     ">=4.53.3,<4.56",
     FastLlamaAttention453,
     "(self, hidden_states, position_embeddings, attention_mask, past_key_value=None, cache_position=None, **kwargs)",
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, cache_position=None, "
+    "logits_to_keep=0, **kwargs)",
 )
 register_llama(
     ">=4.56,<4.58",
     FastLlamaAttention456,
     "(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, cache_position=None, **kwargs)",
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, cache_position=None, logits_to_keep=0, **kwargs)",
 )
 register_llama(
     ">=5.5.4,<5.24",
     FastLlamaAttention,
     "(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs)",
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, logits_to_keep=0, **kwargs)",
 )

@@ -1,0 +1,118 @@
+"""The causal-LM loss of a Llama through the fused linear cross-entropy: no [tokens, vocab] logits in training.
+
+``FastLlamaForCausalLM.forward`` takes the upstream signature (of whichever transformers is installed). With labels
+in training mode, autograd on, it runs the backbone, shifts the labels like transformers' ``ForCausalLMLoss`` and
+computes the loss with :func:`fastft.kernels.fused_linear_cross_entropy`, which never materialises the logits;
+everything else (eval, generation, no labels, an LM head that is not a plain ``nn.Linear``) is the upstream forward.
+
+Logits in training: transformers returns them beside the loss, and trl before 1.15 reads them for its token
+accuracy / entropy metrics. There, the logits are computed once more without gradient (nothing is saved for
+backward); with trl >= 1.15, or without trl, training returns ``logits=None``. ``model.fastft_return_logits`` (True /
+False) overrides the choice.
+
+trl >= 1.15 ``SFTTrainer`` does not call this forward: it installs its own fused LM head on the model instance and
+calls the backbone directly. That head also never builds the full logits (it scores chunks of tokens), and it
+computes the metrics trl logs, so fastft leaves it in place; ``tests/test_trainer.py`` proves which head ran.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama import modeling_llama as upstream
+
+from fastft.kernels import fused_linear_cross_entropy
+
+_UPSTREAM_SIGNATURE = inspect.signature(upstream.LlamaForCausalLM.forward)
+# Named arguments of the loss, not of the backbone (upstream passes **kwargs to both; the backbone ignores them).
+_IGNORE_INDEX = -100
+
+
+def _trl_reads_logits() -> bool:
+    """Whether the installed trl's SFTTrainer computes its metrics from ``outputs.logits`` (trl < 1.15)."""
+    try:
+        return Version(importlib.metadata.version("trl")) < Version("1.15")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def head_reason(model: torch.nn.Module) -> str | None:
+    """Why the fused loss cannot serve this model's LM head, or None when it can."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"lm_head is {type(head).__name__} (a LoRA or modules_to_save wrapper?), not nn.Linear"
+    if head.bias is not None:
+        return "lm_head has a bias"
+    if head.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"lm_head weight is {head.weight.dtype}"
+    return None
+
+
+class FastLlamaForCausalLM(upstream.LlamaForCausalLM):
+    """``LlamaForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
+
+    # Class default; an instance attribute of the same name overrides it.
+    fastft_return_logits: bool | None = None
+    # How many losses the fused path computed on this instance: what tests read to know which head ran.
+    fastft_fused_loss_calls: int = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = _UPSTREAM_SIGNATURE.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        extra = dict(arguments.pop("kwargs", {}))
+        labels = arguments.get("labels")
+        # Evaluation (eval mode, or no autograd) keeps the stock forward: it wants the logits anyway.
+        if labels is None or not (self.training and torch.is_grad_enabled()) or head_reason(self) is not None:
+            return super().forward(*args, **kwargs)
+
+        arguments.pop("labels")
+        logits_to_keep = arguments.pop("logits_to_keep", 0)
+        return_dict = extra.pop("return_dict", None)
+        shift_labels = extra.pop("shift_labels", None)
+        num_items_in_batch = extra.get("num_items_in_batch")
+        outputs = self.model(**arguments, **extra)
+        hidden_states = outputs[0]
+        if shift_labels is None:
+            # Position t predicts token t + 1; the last position predicts nothing (transformers' ForCausalLMLoss).
+            shift_labels = F.pad(labels, (0, 1), value=_IGNORE_INDEX)[..., 1:]
+        head = self.get_output_embeddings()
+        loss = fused_linear_cross_entropy(
+            hidden_states,
+            head.weight,
+            shift_labels.to(hidden_states.device),
+            ignore_index=_IGNORE_INDEX,
+            num_items_in_batch=num_items_in_batch,
+        )
+        self.fastft_fused_loss_calls += 1
+
+        logits = None
+        wants_logits = self.fastft_return_logits
+        if wants_logits is None:
+            wants_logits = _trl_reads_logits()
+        if wants_logits:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            with torch.no_grad():
+                logits = head(hidden_states[:, keep, :])
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=getattr(outputs, "past_key_values", None),
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+        if return_dict is False:
+            return result.to_tuple()
+        return result
+
+
+# generate() and Trainer read the forward's parameters (logits_to_keep, **kwargs for loss kwargs): show upstream's.
+FastLlamaForCausalLM.forward.__signature__ = _UPSTREAM_SIGNATURE
+
+__all__ = ["FastLlamaForCausalLM", "head_reason"]

@@ -1,0 +1,141 @@
+"""Reading a projection (plain ``nn.Linear``, bitsandbytes NF4 ``Linear4bit``, or either wrapped by peft's LoRA) into
+the :class:`~fastft.kernels.LoRAWeights` the fused kernels take, or the reason the fused path cannot serve it.
+
+The fused path computes exactly ``base(x) + s · B(A(x))`` for one active adapter. Anything else peft's forward would
+do differently makes the layer fall back to peft's own forward (slower, never wrong): dropout that is active,
+DoRA or another LoRA variant, a LoRA bias, a base bias, several active adapters, adapters disabled or merged, a base
+layer of another type or quantiser, a trainable base weight (full fine-tuning needs its gradient), and any forward
+hook or replaced forward on the module, which the fused path would bypass.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from fastft.contracts.quantized import _QuantStateGuard
+from fastft.kernels import LoRAWeights
+
+
+def _linear4bit_class() -> type | None:
+    if "bitsandbytes" not in sys.modules:
+        return None
+    from bitsandbytes.nn import Linear4bit
+
+    return Linear4bit
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "scaling"))
+
+
+def _hook_reason(module: torch.nn.Module, label: str) -> str | None:
+    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+        return f"{label} has its forward replaced on the instance (an accelerate / offload hook?)"
+    # fastft's own quant_state guard is re-checked by the fused path itself (dequantisation refuses a missing state).
+    pre_hooks = [hook for hook in module._forward_pre_hooks.values() if not isinstance(hook, _QuantStateGuard)]
+    if pre_hooks or module._forward_hooks:
+        return f"{label} has forward hooks the fused path would bypass"
+    return None
+
+
+def _base_reason(base: torch.nn.Module, label: str, training: bool | None) -> str | None:
+    reason = _hook_reason(base, label)
+    if reason:
+        return reason
+    if getattr(base, "bias", None) is not None:
+        return f"{label} has a bias"
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta:
+        return f"{label} has no materialised weight"
+    linear4bit = _linear4bit_class()
+    if type(base) is torch.nn.Linear:
+        # Without autograd (inference) a trainable weight needs no gradient, so the fused path serves it too.
+        needs_grad = torch.is_grad_enabled() if training is None else training
+        if weight.requires_grad and needs_grad:
+            return f"{label}'s base weight is trainable (full fine-tuning needs its gradient)"
+        return None
+    if linear4bit is not None and isinstance(base, linear4bit):
+        state = getattr(weight, "quant_state", None)
+        if state is None:
+            return f"{label}'s 4-bit weight has no quant_state"
+        if getattr(state, "quant_type", None) != "nf4":
+            return f"{label} is {getattr(state, 'quant_type', '?')} 4-bit (the fused kernels read NF4)"
+        if getattr(state, "packing_format_for_cpu", False):
+            return f"{label}'s 4-bit weight is in bitsandbytes' CPU inference layout"
+        return None
+    return f"{label}'s base layer is {type(base).__name__} (fused: nn.Linear or bitsandbytes NF4 Linear4bit)"
+
+
+def projection_weights(module: torch.nn.Module, label: str, training: bool | None = None) -> LoRAWeights | str:
+    """The fused kernels' view of one projection, or why it has to run through its own forward.
+
+    Args:
+        module: ``q_proj`` and friends, as the model holds them now.
+        label: The name used in the reason (``"q_proj"``).
+        training: Judge as in training (True: dropout active, gradients wanted) or inference (False); None: the
+            module's own mode and whether autograd is on.
+
+    Returns:
+        The weights, or a one-line reason.
+    """
+    if not _is_lora_layer(module):
+        reason = _base_reason(module, label, training)
+        return reason or LoRAWeights(module.weight)
+    reason = _hook_reason(module, label)
+    if reason:
+        return reason
+    if module.disable_adapters:
+        return f"{label}: adapters disabled"
+    if module.merged:
+        return f"{label}: adapter merged into the base weight"
+    base = module.get_base_layer()
+    reason = _base_reason(base, f"{label}.base_layer", training)
+    if reason:
+        return reason
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) > 1:
+        return f"{label}: {len(active)} active adapters"
+    if not active:
+        return LoRAWeights(base.weight)
+    adapter = active[0]
+    if module.use_dora.get(adapter, False):
+        return f"{label}: DoRA"
+    variant = getattr(module, "lora_variant", {}).get(adapter)
+    if variant is not None:
+        return f"{label}: LoRA variant {type(variant).__name__}"
+    if getattr(module, "lora_bias", {}).get(adapter, False):
+        return f"{label}: LoRA bias"
+    dropout = module.lora_dropout[adapter]
+    if isinstance(dropout, torch.nn.Dropout):
+        active_dropout = dropout.training if training is None else training
+        if dropout.p > 0 and active_dropout:
+            return f"{label}: lora_dropout p={dropout.p} (fused only without dropout)"
+    elif not isinstance(dropout, torch.nn.Identity):
+        return f"{label}: lora_dropout is {type(dropout).__name__}"
+    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+        return f"{label}: LoRA A / B are {type(lora_a).__name__} / {type(lora_b).__name__}, not nn.Linear"
+    return LoRAWeights(base.weight, lora_a.weight, lora_b.weight, float(module.scaling[adapter]))
+
+
+def group_weights(
+    owner: torch.nn.Module, names: Sequence[str], training: bool | None = None
+) -> list[LoRAWeights] | str:
+    """Every projection of a group (q, k, v of an attention; gate, up, down of an MLP), or the first reason one of
+    them cannot take the fused path."""
+    group = []
+    for name in names:
+        weights = projection_weights(getattr(owner, name), name, training)
+        if isinstance(weights, str):
+            return weights
+        group.append(weights)
+    devices = {weights.weight.device for weights in group}
+    if len(devices) > 1:
+        return f"{', '.join(names)} are spread over {sorted(map(str, devices))}"
+    return group
+
+
+__all__ = ["group_weights", "projection_weights"]

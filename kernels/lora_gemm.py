@@ -1,0 +1,229 @@
+"""One GEMM launch for up to three projections of the same input, with the LoRA term added in its epilogue.
+
+For segment ``i`` (q, k, v; or gate, up; or a single o / down projection) with dense base weight ``W_i [N_i, K]``,
+LoRA ``B_i [N_i, r_i]`` and scale ``s_i``:
+
+    Y_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ
+
+``X A_iᵀ`` (``xa``, every segment's ranks side by side, [M, Σ r_i]) is a small GEMM the caller runs first; each
+program of the kernel then computes one [BLOCK_M, BLOCK_N] tile of one segment: the K loop of ``X W_iᵀ`` into an
+fp32 accumulator, then one more ``tl.dot`` of the tile's rows of ``xa`` with ``s_i B_iᵀ`` into the same
+accumulator before the single store. No second pass reads or writes ``Y``.
+
+The column blocks of the segments are numbered one after the other, so the widths may differ (GQA: q is
+``heads · head_dim`` wide, k and v ``kv_heads · head_dim``) and need not be multiples of the block; each segment keeps
+its own weight and output tensors, so nothing is concatenated and each output is contiguous.
+
+Precision: fp32 operands are multiplied in IEEE fp32 (``input_precision="ieee"``), matching torch's default of no
+TF32 for matmuls; fp16 / bf16 operands accumulate in fp32 and are rounded once at the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+
+
+@triton.jit(do_not_specialize=["M", "K", "n0", "n1", "n2", "r0", "r1", "r2"])
+def _lora_gemm_kernel(
+    x_ptr,
+    xa_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    y0_ptr,
+    y1_ptr,
+    y2_ptr,
+    M,
+    K,
+    n0,
+    n1,
+    n2,
+    r0,
+    r1,
+    r2,
+    s0,
+    s1,
+    s2,
+    stride_xm,
+    stride_xam,
+    HAS_LORA: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    blocks0 = tl.cdiv(n0, BLOCK_N)
+    blocks1 = tl.cdiv(n1, BLOCK_N)
+    # Which segment this column block belongs to; every tensor of a segment is contiguous, so its row stride is its
+    # width (weights, outputs) or its rank (B).
+    # Every branch must give each name the same type for the compiler, so the first rank offset is r0 * 0 (a
+    # runtime int32 like the others), not the constant 0.
+    if pid_n < blocks0:
+        w_ptr, b_ptr, y_ptr = w0_ptr, b0_ptr, y0_ptr
+        n, r, rank_start, scale, block = n0, r0, r0 * 0, s0, pid_n
+    elif pid_n < blocks0 + blocks1:
+        w_ptr, b_ptr, y_ptr = w1_ptr, b1_ptr, y1_ptr
+        n, r, rank_start, scale, block = n1, r1, r0, s1, pid_n - blocks0
+    else:
+        w_ptr, b_ptr, y_ptr = w2_ptr, b2_ptr, y2_ptr
+        n, r, rank_start, scale, block = n2, r2, r0 + r1, s2, pid_n - blocks0 - blocks1
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < n
+    # int64 row offsets: M · K passes 2**31 at long context.
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    offs_k = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + offs_k
+        k_ok = k_idx < K
+        x = tl.load(x_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k_idx[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+
+    if HAS_LORA:
+        # The epilogue: this tile's share of s · (X Aᵀ) Bᵀ, while the accumulator is still in registers. A segment
+        # without LoRA has r == 0 and every load below is masked off.
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < r
+        xa = tl.load(
+            xa_ptr + rows.to(tl.int64)[:, None] * stride_xam + (rank_start + offs_r)[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + cols.to(tl.int64)[None, :] * r + offs_r[:, None], mask=r_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        acc += tl.dot(xa, b, input_precision=PRECISION) * tl.cast(scale, tl.float32)
+
+    y = y_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _blocks(x: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this device and dtype."""
+    if dispatch.INTERPRETED and not x.is_cuda:
+        # The interpreter pays per program and per loop step in Python; 16 is tl.dot's smallest tile.
+        return 32, 32, 32, 1, 1
+    if x.dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def lora_gemm_triton(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> list[torch.Tensor]:
+    """Launch the kernel: ``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ for each segment]``.
+
+    Args:
+        x: [M, K], rows may be strided, columns contiguous.
+        weights: One to three dense contiguous [N_i, K] weights in x's dtype.
+        xa: [M, Σ r_i] in x's dtype (columns contiguous), or None when no segment has LoRA.
+        lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None for a segment without LoRA.
+        scales: Per segment LoRA scale.
+
+    Returns:
+        One new contiguous [M, N_i] tensor per segment, in x's dtype.
+    """
+    m, k = x.shape
+    count = len(weights)
+    outputs = [dispatch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
+    ranks = [0 if b is None else b.shape[1] for b in lora_b]
+    if m == 0 or sum(w.shape[0] for w in weights) == 0:
+        return outputs
+    if k == 0:
+        return [out.zero_() for out in outputs]
+    block_m, block_n, block_k, num_warps, num_stages = _blocks(x)
+    has_lora = xa is not None and sum(ranks) > 0
+    block_r = max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16
+
+    pad = 3 - count
+    w = [*weights, *[weights[0]] * pad]
+    y = [*outputs, *[outputs[0]] * pad]
+    # A segment without B (or a padded slot) still needs a pointer; its rank of 0 masks every load.
+    b = [bb if bb is not None else weights[0] for bb in lora_b] + [weights[0]] * pad
+    n = [ww.shape[0] for ww in weights] + [0] * pad
+    r = ranks + [0] * pad
+    s = [float(v) for v in scales] + [0.0] * pad
+    xa_arg = xa if has_lora else x
+    grid = (triton.cdiv(m, block_m), sum(triton.cdiv(width, block_n) for width in n))
+    _lora_gemm_kernel[grid](
+        x,
+        xa_arg,
+        *w,
+        *b,
+        *y,
+        m,
+        k,
+        *n,
+        *r,
+        *s,
+        x.stride(0),
+        xa_arg.stride(0),
+        HAS_LORA=has_lora,
+        # None: triton's default for 16-bit operands.
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return outputs
+
+
+def lora_gemm_reference(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> list[torch.Tensor]:
+    """:func:`lora_gemm_triton` with torch's matmuls: the base GEMM, then the low-rank term added in place (``addmm_``
+    into the same output, no extra [M, N] temporary)."""
+    outputs = []
+    start = 0
+    for weight, b, scale in zip(weights, lora_b, scales, strict=True):
+        out = torch.mm(x, weight.t())
+        if b is not None and xa is not None:
+            rank = b.shape[1]
+            out.addmm_(xa[:, start : start + rank], b.t(), alpha=scale)
+            start += rank
+        outputs.append(out)
+    return outputs
+
+
+def lora_gemm(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> list[torch.Tensor]:
+    """The fused projection GEMM on the path :func:`fastft.kernels.dispatch.use_triton` picks (no autograd)."""
+    if dispatch.use_triton(x):
+        return lora_gemm_triton(x, weights, xa, lora_b, scales)
+    return lora_gemm_reference(x, weights, xa, lora_b, scales)
+
+
+__all__ = ["lora_gemm", "lora_gemm_reference", "lora_gemm_triton"]

@@ -1,0 +1,250 @@
+"""The fused LoRA path inside a patched Llama: that it really runs, and which layers fall back to peft and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randomize_lora_b, relative_error, tiny_llama_config
+from transformers import LlamaForCausalLM
+
+from fastft import FastModel, patch_report
+
+pytestmark = pytest.mark.lane
+
+LAYERS = 2
+
+
+def _folder(tmp_path, tokenizer, **overrides) -> str:
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(tokenizer, **overrides)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _lora(folder: str, patch: bool = True, **lora_kwargs):
+    model, _ = FastModel.from_pretrained(folder, max_seq_length=64, patch=patch)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, **lora_kwargs)
+    randomize_lora_b(model)
+    return model
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(3, vocab, (2, 12), generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[0, :3] = 0
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+
+
+def _graph_nodes(loss: torch.Tensor) -> list[str]:
+    names, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _count(names: list[str], fragment: str) -> int:
+    return sum(fragment in name for name in names)
+
+
+def _loss_and_grads(model, batch, seed: int = 0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(patched, stock, batch, seed: int = 0) -> None:
+    loss, grads = _loss_and_grads(patched, batch, seed)
+    stock_loss, stock_grads = _loss_and_grads(stock, batch, seed)
+    assert relative_error(loss, stock_loss) <= 1e-5, (loss.item(), stock_loss.item())
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, stock_grads[name]) <= 1e-4, name
+
+
+def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, smol_tokenizer))
+    rows = {row["name"]: row for row in patch_report(model)}
+    for name in ("llama.attention", "llama.mlp", "llama.rms_norm", "llama.causal_lm_loss"):
+        assert rows[name]["status"] == "applied" and rows[name]["fallbacks"] == {}, rows[name]
+    loss = model(**_batch(model.config.vocab_size)).loss
+    names = _graph_nodes(loss)
+    assert _count(names, "LoRAQKV") == LAYERS
+    assert _count(names, "LoRAOFunction") == LAYERS
+    assert _count(names, "LoRAMLP") == LAYERS
+    # The first norm has no node where the embeddings need no gradient (transformers 4.x without checkpointing).
+    assert _count(names, "RMSNormFunction") in (2 * LAYERS, 2 * LAYERS + 1)
+    assert _count(names, "FusedLinearCrossEntropy") == 1
+    # Nothing of the stock LoRA path is left: peft's lora_B(lora_A(x)) * scaling would add MulBackward / AddBackward
+    # nodes per projection around MmBackward ones.
+    assert _count(names, "MmBackward") == 0 and _count(names, "AddmmBackward") == 0, sorted(set(names))
+
+
+def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, tmp_path):
+    folder = _folder(tmp_path, smol_tokenizer)
+    patched = _lora(folder, target_modules=["q_proj", "v_proj", "up_proj"])
+    stock = _lora(folder, patch=False, target_modules=["q_proj", "v_proj", "up_proj"])
+    batch = _batch(patched.config.vocab_size)
+    names = _graph_nodes(patched(**batch).loss)
+    assert _count(names, "LoRAQKV") == LAYERS and _count(names, "LoRAMLP") == LAYERS
+    _assert_same(patched, stock, batch)
+
+
+def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tmp_path):
+    folder = _folder(tmp_path, smol_tokenizer)
+    patched, stock = _lora(folder, lora_dropout=0.1), _lora(folder, patch=False, lora_dropout=0.1)
+    rows = {row["name"]: row for row in patch_report(patched)}
+    attention, mlp = rows["llama.attention"]["fallbacks"], rows["llama.mlp"]["fallbacks"]
+    parts = (".qkv", ".o_proj")
+    assert set(attention) == {f"model.layers.{i}.self_attn{part}" for i in range(LAYERS) for part in parts}
+    assert set(mlp) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
+    assert all("lora_dropout p=0.1" in reason for reason in [*attention.values(), *mlp.values()])
+    batch = _batch(patched.config.vocab_size)
+    names = _graph_nodes(patched(**batch).loss)
+    assert _count(names, "LoRAQKV") == 0 and _count(names, "LoRAMLP") == 0
+    # peft draws the same dropout masks in the same order on both sides.
+    _assert_same(patched, stock, batch, seed=3)
+    # In eval mode dropout is the identity, so the fused path serves the layers again.
+    patched.eval()
+    assert _count(_graph_nodes(patched(**batch).logits.sum()), "LoRAQKV") == LAYERS
+    patched.train()
+
+
+def test_dora_falls_back_and_matches_stock(smol_tokenizer, tmp_path):
+    folder = _folder(tmp_path, smol_tokenizer)
+    patched, stock = _lora(folder, use_dora=True), _lora(folder, patch=False, use_dora=True)
+    rows = {row["name"]: row for row in patch_report(patched)}
+    assert rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"] == "q_proj: DoRA"
+    _assert_same(patched, stock, _batch(patched.config.vocab_size))
+
+
+def test_disabled_and_merged_adapters_run_peft_and_are_reported_live(smol_tokenizer, tmp_path):
+    folder = _folder(tmp_path, smol_tokenizer)
+    patched, stock = _lora(folder), _lora(folder, patch=False)
+    batch = _batch(patched.config.vocab_size)
+    with patched.disable_adapter(), stock.disable_adapter():
+        rows = {row["name"]: row for row in patch_report(patched)}
+        assert rows["llama.mlp"]["fallbacks"]["model.layers.1.mlp"] == "gate_proj: adapters disabled"
+        with torch.no_grad():
+            assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
+    patched.eval()
+    stock.eval()
+    patched.merge_adapter()
+    stock.merge_adapter()
+    try:
+        rows = {row["name"]: row for row in patch_report(patched)}
+        assert "adapter merged" in rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"]
+        with torch.no_grad():
+            assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
+    finally:
+        patched.unmerge_adapter()
+        stock.unmerge_adapter()
+    assert all(row["fallbacks"] == {} for row in patch_report(patched))
+
+
+def test_training_returns_no_logits_unless_asked_and_eval_returns_them(smol_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, smol_tokenizer))
+    batch = _batch(model.config.vocab_size)
+    head = model.get_base_model()
+    head.fastft_return_logits = False
+    calls = head.fastft_fused_loss_calls
+    out = model(**batch)
+    assert out.logits is None and out.loss.requires_grad
+    assert head.fastft_fused_loss_calls == calls + 1
+    head.fastft_return_logits = True
+    out = model(**batch)
+    assert out.logits.shape == (2, 12, model.config.vocab_size) and not out.logits.requires_grad
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**batch)
+    assert evaluated.logits is not None
+    assert relative_error(evaluated.loss, out.loss.detach()) <= 1e-5
+    assert head.fastft_fused_loss_calls == calls + 2
+
+
+def _saved_numels(fn) -> list[int]:
+    numels = []
+
+    def pack(tensor):
+        numels.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, numels
+
+
+def _largest_op_output(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    Largest.numel = max(Largest.numel, tensor.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.numel
+
+
+def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(smol_tokenizer, tmp_path):
+    from datasets import Dataset
+    from packaging.version import Version
+    from trl import SFTTrainer
+    from trl import __version__ as trl_version
+
+    from fastft.trl import sft_config
+
+    folder = _folder(tmp_path / "model", smol_tokenizer)
+    model = _lora(folder)
+    rows = [" ".join(["word"] * 40 + [str(i)]) for i in range(8)]
+    args = sft_config(str(tmp_path / "out"), torch.float32, 64, max_steps=1, per_device_train_batch_size=4)
+    trainer = SFTTrainer(
+        model=model, processing_class=smol_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    tokens = batch["input_ids"].numel()
+    vocab = model.config.vocab_size
+    assert tokens > model.config.hidden_size  # so tokens × vocab is larger than the head's own weight
+    head = model.get_base_model()
+    calls = head.fastft_fused_loss_calls
+    model.train()
+    loss, numels = _saved_numels(lambda: trainer.compute_loss(model, batch))
+    assert torch.isfinite(loss)
+    # Nothing of the logits' size is kept for backward, whichever head ran.
+    assert max(numels) < tokens * vocab, (max(numels), tokens * vocab)
+    names = _graph_nodes(loss)
+    if Version(trl_version) >= Version("1.15"):
+        # trl's own fused LM head (installed on the model instance) computed the loss; fastft's forward never ran.
+        assert _count(names, "ChunkedLogProb") == 1 and _count(names, "FusedLinearCrossEntropy") == 0
+        assert head.fastft_fused_loss_calls == calls
+        # And no op of forward or backward produced a tensor as large as the logits (trl tiles tokens and vocab).
+        largest = _largest_op_output(lambda: trainer.compute_loss(model, batch).backward())
+        assert largest < tokens * vocab, (largest, tokens * vocab)
+    else:
+        assert _count(names, "FusedLinearCrossEntropy") == 1
+        assert head.fastft_fused_loss_calls == calls + 1
+    assert _count(names, "LoRAQKV") == LAYERS
+
+
+def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path):
+    folder = _folder(tmp_path, smol_tokenizer)
+    model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16)
+    randomize_lora_b(model)
+    assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    assert all(row["fallbacks"] == {} for row in patch_report(model))
+    names = _graph_nodes(model(**_batch(model.config.vocab_size)).loss)
+    assert _count(names, "LoRAQKV") == LAYERS and _count(names, "LoRAMLP") == LAYERS
