@@ -26,6 +26,9 @@ checks correctness: the relative error of fused against peft (outputs, dX, every
 float64 computation of the same function. Peak memory per system is ``torch.cuda.max_memory_allocated`` over one
 step (CUDA); on every device the bytes autograd keeps for backward beyond the inputs and weights.
 
+With NF4 bases the run also times ``fused`` with the base decoded inside the GEMM (``FASTFT_NF4_DEQUANT=kernel``)
+against the default reused buffer, and records which was faster under ``nf4_decode``.
+
 On CPU fastft runs its torch reference path, not the Triton kernel (``"fastft_path": "reference"`` in the JSON), so
 CPU times check the harness and say nothing about the kernel.
 """
@@ -46,6 +49,7 @@ import functools
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -58,7 +62,7 @@ from typing import Any
 import torch
 
 from fastft.kernels import dispatch
-from fastft.kernels.lora_projection import LoRAWeights, release_buffers
+from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -355,6 +359,26 @@ def _before_memory_step(workload: Workload, system: str) -> None:
         release_buffers()
 
 
+NF4_KERNEL_DECODE = "fused_nf4_decoded_in_kernel"
+
+
+def _with_nf4_decode(step: Callable[[], Any], mode: str) -> Callable[[], Any]:
+    """``step`` run with ``FASTFT_NF4_DEQUANT=mode`` (read by fastft on every call), the environment restored after."""
+
+    def wrapped() -> Any:
+        previous = os.environ.get(NF4_DEQUANT_ENV)
+        os.environ[NF4_DEQUANT_ENV] = mode
+        try:
+            return step()
+        finally:
+            if previous is None:
+                os.environ.pop(NF4_DEQUANT_ENV, None)
+            else:
+                os.environ[NF4_DEQUANT_ENV] = previous
+
+    return wrapped
+
+
 def run_one(
     name: str, shape: Shape, weights: str, dtype: torch.dtype, device: torch.device, settings: dict
 ) -> dict[str, Any]:
@@ -363,6 +387,15 @@ def run_one(
     probe = workload.x
     correctness = check_correctness(workload)
     steps = {system: make_step(workload, system) for system in SYSTEMS}
+    steps["fused"] = _with_nf4_decode(steps["fused"], "buffer")
+    decode_check = None
+    if weights == "nf4":
+        # The issue's question for 4-bit bases: decode into one reused buffer, or inside the GEMM? Time both.
+        steps[NF4_KERNEL_DECODE] = _with_nf4_decode(make_step(workload, "fused"), "kernel")
+        with torch.no_grad():
+            buffered = _with_nf4_decode(workload.forward["fused"], "buffer")()
+            decoded = _with_nf4_decode(workload.forward["fused"], "kernel")()
+        decode_check = max(_relative_error(d, b) for d, b in zip(decoded, buffered, strict=True))
     samples = time_systems(steps, device, settings["repeats"], settings["warmup"], settings["inner"])
     medians = {system: statistics.median(values) for system, values in samples.items()}
 
@@ -392,6 +425,13 @@ def run_one(
         "saved_for_backward_bytes": saved,
         "correctness": correctness,
     }
+    if weights == "nf4":
+        row["nf4_decode"] = {
+            "buffer_ms": medians["fused"],
+            "in_kernel_ms": medians[NF4_KERNEL_DECODE],
+            "faster": "buffer" if medians["fused"] <= medians[NF4_KERNEL_DECODE] else "in_kernel",
+            "in_kernel_vs_buffer_relative_error": decode_check,
+        }
     # The targets are about the Triton kernel on a GPU; a reference-path or CPU run neither meets nor misses them.
     row["meets_targets"] = (
         {
@@ -430,6 +470,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{row['fused_over_floor']:11.3f} {row['peft_over_fused']:10.2f} {peaks:>26s} "
             f"{row['correctness']['fused_vs_peft']['max']:11.1e}"
         )
+        decode = row.get("nf4_decode")
+        if decode:
+            lines.append(
+                f"{'':13s} {'':7s} NF4 decoded in the GEMM: {decode['in_kernel_ms']:.3f} ms against "
+                f"{decode['buffer_ms']:.3f} ms through the buffer ({decode['faster']} faster; outputs differ by "
+                f"{decode['in_kernel_vs_buffer_relative_error']:.1e})"
+            )
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from fastft.registry import STRICT_ENV, apply_patches, format_report, records, strict_mode
+from fastft.registry import STRICT_ENV, apply_patches, format_report, patch_report, records, strict_mode
 from fastft.train import device_name, versions
 
 
@@ -25,6 +25,13 @@ def tiny_llama() -> torch.nn.Module:
         max_position_embeddings=128,
     )
     return LlamaForCausalLM(config)
+
+
+def _with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
 
 
 def kernel_path() -> str:
@@ -52,11 +59,14 @@ def report() -> str:
         lines.append(f"  capability    sm_{major}{minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
     lines.append(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
     lines.append(f"  kernels       {kernel_path()}")
-    lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads):"]
+    lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads, LoRA r=8 on the seven projections):"]
     with warnings.catch_warnings():
         # A skip is shown in the report itself, with its reason; under FASTFT_STRICT=1 the doctor still reports.
         warnings.simplefilter("ignore", UserWarning)
-        rows = apply_patches(tiny_llama(), strict=False)
+        model = tiny_llama()
+        apply_patches(model, strict=False)
+        # With LoRA, as a user trains: a bare model's trainable base weights would send every layer to the stock path.
+        rows = patch_report(_with_lora(model))
     lines.append(format_report(rows))
     lines += ["", "registered patches and the versions each record was tested against:"]
     for name, group in records().items():

@@ -115,7 +115,7 @@ def _lora_gemm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _blocks(x: torch.Tensor) -> tuple[int, int, int, int, int]:
+def block_sizes(x: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this device and dtype."""
     if dispatch.INTERPRETED and not x.is_cuda:
         # The interpreter pays per program and per loop step in Python; 16 is tl.dot's smallest tile.
@@ -152,7 +152,7 @@ def lora_gemm_triton(
         return outputs
     if k == 0:
         return [out.zero_() for out in outputs]
-    block_m, block_n, block_k, num_warps, num_stages = _blocks(x)
+    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
     has_lora = xa is not None and sum(ranks) > 0
     block_r = max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16
 
@@ -226,4 +226,4 @@ def lora_gemm(
     return lora_gemm_reference(x, weights, xa, lora_b, scales)
 
 
-__all__ = ["lora_gemm", "lora_gemm_reference", "lora_gemm_triton"]
+__all__ = ["block_sizes", "lora_gemm", "lora_gemm_reference", "lora_gemm_triton"]

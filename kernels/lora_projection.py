@@ -15,20 +15,25 @@ every segment's ``dY W`` into one ``dX`` buffer (``addmm_``), then the low-rank 
 An NF4 base (bitsandbytes ``Params4bit``) is dequantised, for forward and again for backward, into one buffer per
 device and dtype that every layer reuses: the segments' rows side by side, so the dense weights cost one layer's
 q | k | v (or gate | up) at a time instead of a copy per layer. Kernels on one CUDA stream run in order, so the
-next layer's dequantisation cannot overwrite a buffer a GEMM is still reading.
+next layer's dequantisation cannot overwrite a buffer a GEMM is still reading. ``FASTFT_NF4_DEQUANT=kernel`` makes
+the Triton forward decode the NF4 tiles inside the GEMM instead (:mod:`fastft.kernels.lora_gemm_nf4`); backward
+always uses the buffer (its ``dY W`` runs in torch's matmul).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fastft.kernels import dispatch
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_gemm import lora_gemm
+from fastft.kernels.lora_gemm_nf4 import lora_gemm_nf4_triton
 from fastft.kernels.nf4 import dequantize_nf4
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -184,6 +189,20 @@ def _stacked_a(projections: Sequence[LoRAWeights], dtype: torch.dtype) -> torch.
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+NF4_DEQUANT_ENV = "FASTFT_NF4_DEQUANT"
+
+
+def nf4_dequant_mode() -> str:
+    """Where a Triton forward decodes NF4 bases: ``"buffer"`` (default: once per call into the reused buffer, then
+    the 16-bit kernel) or ``"kernel"`` (inside the GEMM's K loop), from ``FASTFT_NF4_DEQUANT``."""
+    mode = os.environ.get(NF4_DEQUANT_ENV, "buffer").strip().lower() or "buffer"
+    if mode not in ("buffer", "kernel"):
+        raise ValueError(
+            f"fastft.kernels: {NF4_DEQUANT_ENV} must be 'buffer' or 'kernel', got {mode!r}; unset it for the default."
+        )
+    return mode
+
+
 def group_forward(
     x2d: torch.Tensor, projections: Sequence[LoRAWeights]
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -193,8 +212,13 @@ def group_forward(
     stacked = _stacked_a(projections, dtype)
     xa = None if stacked is None else torch.mm(x2d, stacked.t())
     lora_b = [None if p.lora_b is None else p.lora_b.detach().to(dtype).contiguous() for p in projections]
+    scales = [float(p.scale) for p in projections]
+    if all(is_packed(p) for p in projections) and dispatch.use_triton(x2d) and nf4_dequant_mode() == "kernel":
+        packed = [p.weight for p in projections]
+        states = [quant_state_of(p) for p in projections]
+        return lora_gemm_nf4_triton(x2d, packed, states, xa, lora_b, scales), xa
     weights = dense_weights(projections, dtype)
-    outputs = lora_gemm(x2d, weights, xa, lora_b, [float(p.scale) for p in projections])
+    outputs = lora_gemm(x2d, weights, xa, lora_b, scales)
     return outputs, xa
 
 
@@ -313,6 +337,7 @@ __all__ = [
     "group_forward",
     "is_packed",
     "load_group",
+    "nf4_dequant_mode",
     "quant_state_of",
     "rebuild",
     "release_buffers",

@@ -53,7 +53,13 @@ def _check_record(record: dict, stdout: str, path: str, tokens: int, repeats: in
     for weights, run in runs.items():
         assert run["shape"] == "tiny" and run["dims"]["tokens"] == tokens
         assert run["compute_dtype"] == "float32" and run["fastft_path"] == path
-        assert set(run["ms"]) == SYSTEMS
+        expected_systems = SYSTEMS | ({"fused_nf4_decoded_in_kernel"} if weights == "nf4" else set())
+        assert set(run["ms"]) == expected_systems
+        if weights == "nf4":
+            decode = run["nf4_decode"]
+            assert decode["buffer_ms"] == run["ms"]["fused"] and decode["in_kernel_ms"] > 0
+            assert decode["faster"] in ("buffer", "in_kernel")
+            assert decode["in_kernel_vs_buffer_relative_error"] < 1e-5
         # peft's own QLoRA layer for a 4-bit base, as under transformers' load_in_4bit; lora.Linear for a dense one.
         expected_layer = "peft.tuners.lora.bnb.Linear4bit" if weights == "nf4" else "peft.tuners.lora.layer.Linear"
         assert run["peft_layer"] == expected_layer

@@ -1,0 +1,198 @@
+"""The fused LoRA GEMM of :mod:`fastft.kernels.lora_gemm` reading NF4 base weights directly: each tile of ``W`` is
+dequantised in registers inside the K loop, so no dense copy of the weight is ever written.
+
+The alternative, the default, dequantises the group's weights once per call into one reused buffer and runs the
+16-bit kernel over it. Which is faster depends on the device and the token count: in-kernel dequantisation saves the
+buffer's write and read, but repeats the decoding for every block of rows (``M / BLOCK_M`` times), so it tends to win
+for few tokens (decoding) and lose for long training batches. ``FASTFT_NF4_DEQUANT=kernel`` selects this path and
+``bench/lora.py`` times both; see ``bench/README.md`` for what has been measured.
+
+Layout (bitsandbytes NF4, see :mod:`fastft.kernels.nf4`): value ``e = row · K + col`` of the flat weight is the high
+nibble of byte ``e // 2`` when ``e`` is even, else the low one, times the fp32 scale of block ``e // blocksize``. The
+scales are resolved to fp32 on the host side first (one small op; it undoes double quantisation), so the kernel reads
+one fp32 per block. The decoded value is rounded once to x's dtype, as the buffer path does, so both paths multiply
+the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.lora_gemm import block_sizes
+from fastft.kernels.nf4 import _block_absmax_reference, _nf4_table, _resolve
+
+
+@triton.jit(do_not_specialize=["M", "K", "n0", "n1", "n2", "r0", "r1", "r2", "bs0", "bs1", "bs2"])
+def _lora_gemm_nf4_kernel(
+    x_ptr,
+    xa_ptr,
+    table_ptr,
+    q0_ptr,
+    q1_ptr,
+    q2_ptr,
+    absmax0_ptr,
+    absmax1_ptr,
+    absmax2_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    y0_ptr,
+    y1_ptr,
+    y2_ptr,
+    M,
+    K,
+    n0,
+    n1,
+    n2,
+    r0,
+    r1,
+    r2,
+    bs0,
+    bs1,
+    bs2,
+    s0,
+    s1,
+    s2,
+    stride_xm,
+    stride_xam,
+    HAS_LORA: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    blocks0 = tl.cdiv(n0, BLOCK_N)
+    blocks1 = tl.cdiv(n1, BLOCK_N)
+    # Same segment selection as the 16-bit kernel; every branch gives each name the same (runtime) type.
+    if pid_n < blocks0:
+        q_ptr, absmax_ptr, b_ptr, y_ptr = q0_ptr, absmax0_ptr, b0_ptr, y0_ptr
+        n, r, rank_start, blocksize, scale, block = n0, r0, r0 * 0, bs0, s0, pid_n
+    elif pid_n < blocks0 + blocks1:
+        q_ptr, absmax_ptr, b_ptr, y_ptr = q1_ptr, absmax1_ptr, b1_ptr, y1_ptr
+        n, r, rank_start, blocksize, scale, block = n1, r1, r0, bs1, s1, pid_n - blocks0
+    else:
+        q_ptr, absmax_ptr, b_ptr, y_ptr = q2_ptr, absmax2_ptr, b2_ptr, y2_ptr
+        n, r, rank_start, blocksize, scale, block = n2, r2, r0 + r1, bs2, s2, pid_n - blocks0 - blocks1
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < n
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    col_start = cols.to(tl.int64)[None, :] * K
+    offs_k = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + offs_k
+        k_ok = k_idx < K
+        x = tl.load(x_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        element = col_start + k_idx.to(tl.int64)[:, None]
+        packed = tl.load(q_ptr + element // 2, mask=w_ok, other=0).to(tl.int32)
+        code = tl.where(element % 2 == 0, packed >> 4, packed & 0xF)
+        value = tl.load(table_ptr + code, mask=w_ok, other=0.0) * tl.load(
+            absmax_ptr + element // blocksize, mask=w_ok, other=0.0
+        )
+        acc = tl.dot(x, value.to(x_ptr.dtype.element_ty), acc, input_precision=PRECISION)
+
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < r
+        xa = tl.load(
+            xa_ptr + rows.to(tl.int64)[:, None] * stride_xam + (rank_start + offs_r)[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + cols.to(tl.int64)[None, :] * r + offs_r[:, None], mask=r_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        acc += tl.dot(xa, b, input_precision=PRECISION) * tl.cast(scale, tl.float32)
+
+    y = y_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def lora_gemm_nf4_triton(
+    x: torch.Tensor,
+    packed: Sequence[torch.Tensor],
+    quant_states: Sequence[object],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> list[torch.Tensor]:
+    """``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ]`` for one to three NF4 weights ``W_i``, decoded inside the GEMM.
+
+    Args:
+        x: [M, K] on a device Triton runs on (CUDA, or CPU under the interpreter); columns contiguous.
+        packed: Per segment the packed NF4 bytes (a ``Params4bit`` or its storage).
+        quant_states: Per segment its bitsandbytes quant_state (shape [N_i, K], NF4).
+        xa: [M, Σ r_i] in x's dtype, or None when no segment has LoRA.
+        lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None.
+        scales: Per segment LoRA scale.
+
+    Returns:
+        One new contiguous [M, N_i] tensor per segment, in x's dtype.
+    """
+    resolved = [_resolve("lora_gemm_nf4", p, qs, x.dtype) for p, qs in zip(packed, quant_states, strict=True)]
+    m, k = x.shape
+    outputs = [dispatch.empty((m, r.out_features), dtype=x.dtype, device=x.device) for r in resolved]
+    if m == 0 or sum(r.out_features for r in resolved) == 0:
+        return outputs
+    if k == 0:
+        return [out.zero_() for out in outputs]
+    ranks = [0 if b is None else b.shape[1] for b in lora_b]
+    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
+    has_lora = xa is not None and sum(ranks) > 0
+    block_r = max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16
+
+    pad = 3 - len(resolved)
+    quant = [r.bytes.contiguous() for r in resolved]
+    absmax = [_block_absmax_reference(r).contiguous() for r in resolved]
+    quant += [quant[0]] * pad
+    absmax += [absmax[0]] * pad
+    y = [*outputs, *[outputs[0]] * pad]
+    # Placeholders need a pointer of B's dtype (the compiler wants one type per name); rank 0 masks every load.
+    b = [bb if bb is not None else x for bb in lora_b] + [x] * pad
+    n = [r.out_features for r in resolved] + [0] * pad
+    rr = ranks + [0] * pad
+    bs = [int(r.quant_state.blocksize) for r in resolved] + [2] * pad
+    s = [float(v) for v in scales] + [0.0] * pad
+    xa_arg = xa if has_lora else x
+    grid = (triton.cdiv(m, block_m), sum(triton.cdiv(width, block_n) for width in n))
+    _lora_gemm_nf4_kernel[grid](
+        x,
+        xa_arg,
+        _nf4_table(x.device),
+        *quant,
+        *absmax,
+        *b,
+        *y,
+        m,
+        k,
+        *n,
+        *rr,
+        *bs,
+        *s,
+        x.stride(0),
+        xa_arg.stride(0),
+        HAS_LORA=has_lora,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return outputs
+
+
+__all__ = ["lora_gemm_nf4_triton"]
