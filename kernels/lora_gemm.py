@@ -97,22 +97,91 @@ def _lora_gemm_kernel(
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
 
     if HAS_LORA:
-        # The epilogue: this tile's share of s · (X Aᵀ) Bᵀ, while the accumulator is still in registers. A segment
-        # without LoRA has r == 0 and every load below is masked off.
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < r
-        xa = tl.load(
-            xa_ptr + rows.to(tl.int64)[:, None] * stride_xam + (rank_start + offs_r)[None, :],
-            mask=row_ok[:, None] & r_ok[None, :],
-            other=0.0,
+        acc = add_lora_term(
+            acc, xa_ptr, stride_xam, b_ptr, rows, cols, row_ok, col_ok, r, rank_start, scale, PRECISION, BLOCK_R
         )
-        b = tl.load(
-            b_ptr + cols.to(tl.int64)[None, :] * r + offs_r[:, None], mask=r_ok[:, None] & col_ok[None, :], other=0.0
-        )
-        acc += tl.dot(xa, b, input_precision=PRECISION) * tl.cast(scale, tl.float32)
+    store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n)
 
+
+@triton.jit
+def add_lora_term(
+    acc,
+    xa_ptr,
+    stride_xam,
+    b_ptr,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    r,
+    rank_start,
+    scale,
+    PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The epilogue: this tile's share of s · (X Aᵀ) Bᵀ, added while the accumulator is still in registers. B is the
+    segment's contiguous [n, r]; a segment without LoRA has r == 0 and every load is masked off."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < r
+    xa = tl.load(
+        xa_ptr + rows.to(tl.int64)[:, None] * stride_xam + (rank_start + offs_r)[None, :],
+        mask=row_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + cols.to(tl.int64)[None, :] * r + offs_r[:, None], mask=r_ok[:, None] & col_ok[None, :], other=0.0
+    )
+    return acc + tl.dot(xa, b, input_precision=PRECISION) * tl.cast(scale, tl.float32)
+
+
+@triton.jit
+def store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n):
+    """Store one tile of a contiguous [M, n] output, rounded once to its dtype."""
     y = y_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def segment_arguments(
+    x: torch.Tensor,
+    outputs: list[torch.Tensor],
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> dict[str, list]:
+    """Per-slot launch arguments of the three-segment kernels, padded to three slots.
+
+    A padded slot has width 0 (no column block) and rank 0; a segment without B gets x as a stand-in pointer of
+    the same dtype (the compiler wants one pointer type per name), which rank 0 keeps from being read.
+    """
+    pad = 3 - len(outputs)
+    ranks = [0 if b is None else b.shape[1] for b in lora_b]
+    return {
+        "y": [*outputs, *[outputs[0]] * pad],
+        "b": [b if b is not None else x for b in lora_b] + [x] * pad,
+        "n": [out.shape[1] for out in outputs] + [0] * pad,
+        "r": ranks + [0] * pad,
+        "s": [float(v) for v in scales] + [0.0] * pad,
+    }
+
+
+def launch_settings(x: torch.Tensor, xa: torch.Tensor | None, ranks: Sequence[int], widths: Sequence[int]) -> dict:
+    """Grid, block sizes and flags shared by the three-segment kernels."""
+    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
+    has_lora = xa is not None and sum(ranks) > 0
+    return {
+        "grid": (triton.cdiv(x.shape[0], block_m), sum(triton.cdiv(width, block_n) for width in widths)),
+        "xa": xa if has_lora else x,
+        "meta": {
+            "HAS_LORA": has_lora,
+            # None: triton's default for 16-bit operands.
+            "PRECISION": "ieee" if x.dtype == torch.float32 else None,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "BLOCK_R": max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16,
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+        },
+    }
 
 
 def block_sizes(x: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -145,49 +214,28 @@ def lora_gemm_triton(
         One new contiguous [M, N_i] tensor per segment, in x's dtype.
     """
     m, k = x.shape
-    count = len(weights)
     outputs = [dispatch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
-    ranks = [0 if b is None else b.shape[1] for b in lora_b]
     if m == 0 or sum(w.shape[0] for w in weights) == 0:
         return outputs
     if k == 0:
         return [out.zero_() for out in outputs]
-    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
-    has_lora = xa is not None and sum(ranks) > 0
-    block_r = max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16
-
-    pad = 3 - count
-    w = [*weights, *[weights[0]] * pad]
-    y = [*outputs, *[outputs[0]] * pad]
-    # A segment without B (or a padded slot) still needs a pointer; its rank of 0 masks every load.
-    b = [bb if bb is not None else weights[0] for bb in lora_b] + [weights[0]] * pad
-    n = [ww.shape[0] for ww in weights] + [0] * pad
-    r = ranks + [0] * pad
-    s = [float(v) for v in scales] + [0.0] * pad
-    xa_arg = xa if has_lora else x
-    grid = (triton.cdiv(m, block_m), sum(triton.cdiv(width, block_n) for width in n))
-    _lora_gemm_kernel[grid](
+    slots = segment_arguments(x, outputs, lora_b, scales)
+    launch = launch_settings(x, xa, slots["r"], slots["n"])
+    w = [*weights, *[weights[0]] * (3 - len(weights))]
+    _lora_gemm_kernel[launch["grid"]](
         x,
-        xa_arg,
+        launch["xa"],
         *w,
-        *b,
-        *y,
+        *slots["b"],
+        *slots["y"],
         m,
         k,
-        *n,
-        *r,
-        *s,
+        *slots["n"],
+        *slots["r"],
+        *slots["s"],
         x.stride(0),
-        xa_arg.stride(0),
-        HAS_LORA=has_lora,
-        # None: triton's default for 16-bit operands.
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        launch["xa"].stride(0),
+        **launch["meta"],
     )
     return outputs
 
@@ -226,4 +274,13 @@ def lora_gemm(
     return lora_gemm_reference(x, weights, xa, lora_b, scales)
 
 
-__all__ = ["block_sizes", "lora_gemm", "lora_gemm_reference", "lora_gemm_triton"]
+__all__ = [
+    "add_lora_term",
+    "block_sizes",
+    "launch_settings",
+    "lora_gemm",
+    "lora_gemm_reference",
+    "lora_gemm_triton",
+    "segment_arguments",
+    "store_tile",
+]

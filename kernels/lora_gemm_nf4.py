@@ -22,7 +22,7 @@ import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
-from fastft.kernels.lora_gemm import block_sizes
+from fastft.kernels.lora_gemm import add_lora_term, launch_settings, segment_arguments, store_tile
 from fastft.kernels.nf4 import _block_absmax_reference, _nf4_table, _resolve
 
 
@@ -104,20 +104,10 @@ def _lora_gemm_nf4_kernel(
         acc = tl.dot(x, value.to(x_ptr.dtype.element_ty), acc, input_precision=PRECISION)
 
     if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < r
-        xa = tl.load(
-            xa_ptr + rows.to(tl.int64)[:, None] * stride_xam + (rank_start + offs_r)[None, :],
-            mask=row_ok[:, None] & r_ok[None, :],
-            other=0.0,
+        acc = add_lora_term(
+            acc, xa_ptr, stride_xam, b_ptr, rows, cols, row_ok, col_ok, r, rank_start, scale, PRECISION, BLOCK_R
         )
-        b = tl.load(
-            b_ptr + cols.to(tl.int64)[None, :] * r + offs_r[:, None], mask=r_ok[:, None] & col_ok[None, :], other=0.0
-        )
-        acc += tl.dot(xa, b, input_precision=PRECISION) * tl.cast(scale, tl.float32)
-
-    y = y_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n)
 
 
 def lora_gemm_nf4_triton(
@@ -148,49 +138,32 @@ def lora_gemm_nf4_triton(
         return outputs
     if k == 0:
         return [out.zero_() for out in outputs]
-    ranks = [0 if b is None else b.shape[1] for b in lora_b]
-    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
-    has_lora = xa is not None and sum(ranks) > 0
-    block_r = max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16
-
+    slots = segment_arguments(x, outputs, lora_b, scales)
+    launch = launch_settings(x, xa, slots["r"], slots["n"])
     pad = 3 - len(resolved)
     quant = [r.bytes.contiguous() for r in resolved]
     absmax = [_block_absmax_reference(r).contiguous() for r in resolved]
-    quant += [quant[0]] * pad
-    absmax += [absmax[0]] * pad
-    y = [*outputs, *[outputs[0]] * pad]
-    # Placeholders need a pointer of B's dtype (the compiler wants one type per name); rank 0 masks every load.
-    b = [bb if bb is not None else x for bb in lora_b] + [x] * pad
-    n = [r.out_features for r in resolved] + [0] * pad
-    rr = ranks + [0] * pad
-    bs = [int(r.quant_state.blocksize) for r in resolved] + [2] * pad
-    s = [float(v) for v in scales] + [0.0] * pad
-    xa_arg = xa if has_lora else x
-    grid = (triton.cdiv(m, block_m), sum(triton.cdiv(width, block_n) for width in n))
-    _lora_gemm_nf4_kernel[grid](
+    blocksizes = [int(r.quant_state.blocksize) for r in resolved]
+    _lora_gemm_nf4_kernel[launch["grid"]](
         x,
-        xa_arg,
+        launch["xa"],
         _nf4_table(x.device),
         *quant,
+        *[quant[0]] * pad,
         *absmax,
-        *b,
-        *y,
+        *[absmax[0]] * pad,
+        *slots["b"],
+        *slots["y"],
         m,
         k,
-        *n,
-        *rr,
-        *bs,
-        *s,
+        *slots["n"],
+        *slots["r"],
+        *blocksizes,
+        *[2] * pad,
+        *slots["s"],
         x.stride(0),
-        xa_arg.stride(0),
-        HAS_LORA=has_lora,
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        launch["xa"].stride(0),
+        **launch["meta"],
     )
     return outputs
 
