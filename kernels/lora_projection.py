@@ -117,6 +117,12 @@ def check_group(
                 f"{where}: the base weight must be float32 / float16 / bfloat16 or a packed NF4 Params4bit, got "
                 f"{projection.weight.dtype}."
             )
+        if projection.weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{where}: the base weight requires grad, but the fused LoRA kernels treat base weights as frozen and "
+                "would give it no gradient; freeze it (weight.requires_grad_(False)) for LoRA, or run the module's "
+                "own forward to train it."
+            )
         a, b = projection.lora_a, projection.lora_b
         if (a is None) != (b is None):
             raise ValueError(f"{where}: pass both lora_a and lora_b, or neither (got only one).")

@@ -591,3 +591,13 @@ def test_nf4_adapter_checked_against_the_logical_shape(gen):
     lost_message = r"lora_qkv: q_proj: .*packed 4-bit weight of shape \[1728, 1\] needs a quant_state"
     with pytest.raises(ShapeContractError, match=lost_message):
         lora_qkv(random_tensor((5, HIDDEN), dtype, gen), *lost)
+
+
+def test_a_trainable_base_weight_is_refused_not_silently_frozen(gen):
+    projections = qkv_projections(torch.float32, gen, [(2, 1.0), (2, 1.0), (2, 1.0)])
+    trainable = _replace(projections, 2, weight=projections[2].weight.clone().requires_grad_())
+    x = random_tensor((5, HIDDEN), torch.float32, gen)
+    with pytest.raises(ValueError, match="lora_qkv: v_proj: the base weight requires grad"):
+        lora_qkv(x, *trainable)
+    with torch.no_grad():  # inference needs no gradient, so there the weight may stay trainable
+        assert lora_qkv(x, *trainable)[2].shape == (5, KV_OUT)
