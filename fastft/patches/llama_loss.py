@@ -17,6 +17,7 @@ computes the metrics trl logs, so fastft leaves it in place; ``tests/test_traine
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 from typing import Any
@@ -34,8 +35,11 @@ _UPSTREAM_SIGNATURE = inspect.signature(upstream.LlamaForCausalLM.forward)
 _IGNORE_INDEX = -100
 
 
+@functools.cache
 def _trl_reads_logits() -> bool:
-    """Whether the installed trl's SFTTrainer computes its metrics from ``outputs.logits`` (trl < 1.15)."""
+    """Whether the installed trl's SFTTrainer computes its metrics from ``outputs.logits`` (trl < 1.15).
+
+    Cached: the training forward asks on every step, and reading package metadata touches the disk."""
     try:
         return Version(importlib.metadata.version("trl")) < Version("1.15")
     except importlib.metadata.PackageNotFoundError:
