@@ -31,11 +31,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 
 import torch
 import torch.nn.functional as F
 
+from fastft.environment import describe_device, package_versions
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import fused_linear_cross_entropy
 from fastft.kernels.nf4 import dequantize_nf4, nf4_linear
@@ -338,33 +338,17 @@ def run(device: torch.device, dtype: torch.dtype, shapes: Shapes, repeats: int, 
             flush=True,
         )
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device": describe_device(device),
         "device_type": device.type,
         "fastft_path": "triton" if dispatch.use_triton(probe) else "reference",
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes.__dict__,
         "repeats": repeats,
         "ceilings": ceilings,
-        "versions": {name: _version(name) for name in ("torch", "triton", "transformers", "bitsandbytes", "fastft")},
+        "versions": package_versions(("torch", "triton", "transformers", "bitsandbytes", "fastft")),
         "python": platform.python_version(),
         "rows": rows,
     }
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

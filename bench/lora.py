@@ -56,11 +56,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from typing import Any
 
 import torch
 
+from fastft.environment import describe_device, package_versions
 from fastft.kernels import dispatch
 from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
@@ -480,31 +480,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    model = platform.processor() or platform.machine()
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"cpu: {model} ({torch.get_num_threads()} threads)"
-
-
 def device_slug(device: torch.device) -> str:
     """``cpu``, or the GPU's name in lower case with every run of other characters turned into one dash."""
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -584,11 +564,9 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {
         "benchmark": "lora_qkv",
-        "device": _device_name(device),
+        "device": describe_device(device),
         "device_type": device.type,
-        "versions": {
-            name: _version(name) for name in ("torch", "triton", "peft", "bitsandbytes", "transformers", "fastft")
-        },
+        "versions": package_versions(("torch", "triton", "peft", "bitsandbytes", "transformers", "fastft")),
         "cuda": torch.version.cuda if cuda else None,
         "python": platform.python_version(),
         "settings": settings,

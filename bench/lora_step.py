@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -256,6 +255,7 @@ def _threads() -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build both systems, check they agree, time them alternately and return the JSON-ready record."""
     from fastft import patch_report
+    from fastft.environment import describe_device, package_versions
     from fastft.kernels import dispatch
 
     if dispatch.INTERPRETED:
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bytes_ratio = systems[FASTFT]["saved_bytes"] / systems[PEFT]["saved_bytes"]
     record = {
         "benchmark": "lora_step",
-        "device": _cpu_name(threads),
+        "device": describe_device(torch.device("cpu"), threads),
         "device_type": "cpu",
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -329,9 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": os.getloadavg(),
         "fastft_path": "triton" if dispatch.use_triton(torch.empty(0)) else "reference",
         "triton_interpret_removed": args.triton_interpret_removed,
-        "versions": {
-            name: _version(name) for name in ("torch", "transformers", "peft", "triton", "bitsandbytes", "fastft")
-        },
+        "versions": package_versions(("torch", "transformers", "peft", "triton", "bitsandbytes", "fastft")),
         "python": platform.python_version(),
         "model": {
             "name": args.model,
@@ -421,22 +419,6 @@ def print_table(record: dict[str, Any]) -> None:
     print(f"fastft fused nodes in the loss graph: {fused} ({record['model']['layers']} layers)")
     applied = [row["name"] for row in record["systems"][FASTFT]["patches"] if row["status"] == "applied"]
     print(f"fastft patches applied: {', '.join(applied) or 'none'}")
-
-
-def _cpu_name(threads: int) -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu: {line.split(':', 1)[1].strip()} ({threads} threads)"
-    return f"cpu: {platform.processor() or platform.machine()} ({threads} threads)"
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,13 +8,13 @@ import platform
 import re
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
 from trl import SFTTrainer
 
 from fastft.data import load_rows, to_sft_rows
+from fastft.environment import package_versions
 from fastft.model import FastModel, resolve_dtype
 from fastft.plot import plot_loss
 from fastft.trl import StopOnSignal, loss_history, sft_config
@@ -52,13 +52,7 @@ class TrainOptions:
 
 def versions() -> dict[str, str | None]:
     """Installed versions of the libraries a run depends on (``None`` when missing)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {"python": platform.python_version(), **package_versions(VERSIONED)}
 
 
 def device_name() -> str:
