@@ -1,20 +1,42 @@
-"""Gradient checkpointing modes for fastft models, hooked in per model instance.
+"""Gradient checkpointing for fastft models: the modes, and fastft's offloaded checkpointer.
 
-``"offload"`` is the mode the offloaded checkpointer will serve; until it lands it is plain recompute
-checkpointing, which keeps the same API and the same gradients.
+``use_gradient_checkpointing`` takes ``False`` (off), ``True`` (transformers' own recompute checkpointing) or
+``"offload"`` (alias ``"unsloth"``). In ``"offload"`` each decoder layer runs its forward without keeping its
+activations; its input is parked in pinned host memory (:mod:`fastft.offload`), except the last layer's, which the
+backward needs first. The backward brings the input back (the input of the layer before is already on its way while
+this one recomputes), recomputes the layer under the RNG and autocast state of its forward, so dropout draws the
+same masks, and passes the gradients on. On CPU the input stays where it is: plain recompute checkpointing, the same
+API and the same gradients.
+
+The checkpointer plugs into transformers' own entry point: every ``GradientCheckpointingLayer`` calls
+``self._gradient_checkpointing_func(layer_call, *args)`` when checkpointing is on, and that attribute is set per
+module instance, so nothing outside the model changes. The registry record ``checkpoint.offload`` holds the
+transformers versions this was tested on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from fastft.offload import OffloadEngine, ParkedTensor
+from fastft.registry import PatchRecord, register
 
 logger = logging.getLogger(__name__)
 
 _MODE_ATTR = "_fastft_checkpointing"
 _ORIGINAL_ATTR = "_fastft_checkpointing_original"
+_ENGINE_ATTR = "_fastft_offload_engine"
+_WARNED_ATTR = "_fastft_offload_warned"
 _ALIASES = {False: None, None: None, True: "recompute", "offload": "offload", "unsloth": "offload"}
+PATCH_NAME = "checkpoint.offload"
 
 
 def resolve_mode(value: bool | str | None) -> str | None:
@@ -102,6 +124,27 @@ def _apply(model: torch.nn.Module, mode: str | None) -> None:
         return
     # Non-reentrant checkpointing needs no requires_grad on the (frozen) embedding output.
     getattr(model, _ORIGINAL_ATTR)({"use_reentrant": False})
+    if mode != "offload":
+        return
+    engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        if not getattr(model, _WARNED_ATTR, False):
+            setattr(model, _WARNED_ATTR, True)
+            logger.warning(
+                "fastft: use_gradient_checkpointing='offload' runs transformers' recompute checkpointing on this "
+                "model, which keeps every layer input on the device, because %s.",
+                _why_not_hooked(model),
+            )
+        return
+    install(model, engine)
+
+
+def _why_not_hooked(model: torch.nn.Module) -> str:
+    rows = {row["name"]: row for row in getattr(model, "_fastft_patch_report", [])}
+    row = rows.get(PATCH_NAME)
+    if row is None:
+        return "the model was not loaded through FastModel.from_pretrained"
+    return f"patch {PATCH_NAME} is {row['status']} ({row['reason']}; fastft.patch_report(model) lists every patch)"
 
 
 def get_mode(model: torch.nn.Module) -> str | None:
@@ -110,12 +153,314 @@ def get_mode(model: torch.nn.Module) -> str | None:
 
 
 def suspend(model: torch.nn.Module) -> None:
-    """Turn checkpointing off for inference, keeping the chosen mode for :func:`resume`."""
+    """Turn checkpointing off for inference, keeping the chosen mode for :func:`resume`; free the host buffers."""
     if is_enabled(model):
         _disable(model)
+    release_buffers(model)
+
+
+def release_buffers(model: torch.nn.Module) -> None:
+    """Free the pinned host buffers the offloaded checkpointer keeps between steps (they return on the next step)."""
+    engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is not None:
+        engine.release()
 
 
 def resume(model: torch.nn.Module) -> None:
     """Turn the mode chosen in ``get_peft_model`` back on after :func:`suspend`."""
     if hasattr(model, _ORIGINAL_ATTR):
         _apply(model, get_mode(model))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The offloaded checkpointer.
+
+_Path = tuple[str, "int | None"]
+
+
+def _flatten(outputs: Any, owner: str) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
+    """The tensors of a layer's output, and how to put outputs of the same structure back together."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs], lambda flat: flat[0]
+    if isinstance(outputs, tuple):
+        positions = [index for index, item in enumerate(outputs) if isinstance(item, torch.Tensor)]
+        # The template keeps the non-tensor items only, so holding it keeps no activation alive.
+        template = [None if isinstance(item, torch.Tensor) else item for item in outputs]
+
+        def rebuild(flat: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+            items = list(template)
+            for position, tensor in zip(positions, flat, strict=True):
+                items[position] = tensor
+            return tuple(items)
+
+        return [outputs[index] for index in positions], rebuild
+    raise TypeError(
+        f"fastft offloaded checkpointing: {owner} returned a {type(outputs).__name__}; it checkpoints layers that "
+        "return a tensor or a tuple. Use use_gradient_checkpointing=True for this model."
+    )
+
+
+def _grad_keyword_paths(function: Callable[..., Any]) -> list[_Path]:
+    """Where the keyword arguments bound into ``function`` hold tensors that need a gradient."""
+    keywords = function.keywords if isinstance(function, functools.partial) else {}
+    paths: list[_Path] = []
+    for key, value in keywords.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            paths.append((key, None))
+        elif isinstance(value, (tuple, list)):
+            paths += [
+                (key, index)
+                for index, item in enumerate(value)
+                if isinstance(item, torch.Tensor) and item.requires_grad
+            ]
+    return paths
+
+
+def _keyword(function: functools.partial, path: _Path) -> torch.Tensor:
+    key, index = path
+    value = function.keywords[key]
+    return value if index is None else value[index]
+
+
+def _with_keywords(function: Callable[..., Any], replacements: dict[_Path, torch.Tensor]) -> Callable[..., Any]:
+    if not replacements:
+        return function
+    keywords = dict(function.keywords)
+    for (key, index), tensor in replacements.items():
+        if index is None:
+            keywords[key] = tensor
+        else:
+            items = list(keywords[key])
+            items[index] = tensor
+            keywords[key] = type(keywords[key])(items)
+    return functools.partial(function.func, *function.args, **keywords)
+
+
+class _LayerCall:
+    """One checkpointed call of one layer: what its backward needs to run the layer again."""
+
+    def __init__(
+        self,
+        owner: str,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        slot: int,
+        engine: OffloadEngine,
+        offload: bool,
+        parameters: list[torch.nn.Parameter],
+        keyword_paths: list[_Path],
+    ) -> None:
+        self.owner, self.function, self.slot, self.engine = owner, function, slot, engine
+        self.parameters, self.keyword_paths = parameters, keyword_paths
+        self.positions = [index for index, item in enumerate(args) if isinstance(item, torch.Tensor)]
+        tensors = [args[index] for index in self.positions]
+        # The argument list without its tensors: the tensors are saved (or parked) by the autograd node.
+        self.template = [None if isinstance(item, torch.Tensor) else item for item in args]
+        self.needs_grad = [tensor.requires_grad for tensor in tensors]
+        self.offload = offload and bool(tensors) and all(engine.parks(tensor) for tensor in tensors)
+        self.parked: list[weakref.ref] = []
+        self.pending: list[ParkedTensor] = []
+        self.previous: Any = None
+        self.rebuild: Callable[[Sequence[torch.Tensor]], Any] | None = None
+        # Captured before the forward runs, so the recompute draws the same dropout masks.
+        self.cpu_rng = torch.get_rng_state()
+        cuda_devices = sorted({tensor.device.index or 0 for tensor in tensors if tensor.device.type == "cuda"})
+        self.cuda_rng = {index: torch.cuda.get_rng_state(index) for index in cuda_devices}
+        device_types = {"cpu"} | {tensor.device.type for tensor in tensors}
+        self.autocast = [
+            {
+                "device_type": device_type,
+                "enabled": torch.is_autocast_enabled(device_type),
+                "dtype": torch.get_autocast_dtype(device_type),
+                "cache_enabled": torch.is_autocast_cache_enabled(),
+            }
+            for device_type in sorted(device_types)
+        ]
+
+    def park(self, tensor: torch.Tensor) -> ParkedTensor:
+        """Pack hook for the inputs the node saves: their host copies, started before the layer ran.
+
+        Autograd holds what this returns as the saved value and drops it when the graph is freed or, without
+        ``retain_graph``, right after the node's backward; the host buffer goes back to the pool then.
+        """
+        parked = self.pending.pop(0) if self.pending else None
+        if parked is None or (parked.shape, parked.dtype, parked.device) != (tensor.shape, tensor.dtype, tensor.device):
+            parked = self.engine.park(self.slot, tensor)
+        self.parked.append(weakref.ref(parked))
+        return parked
+
+    def prefetch(self) -> None:
+        """Start bringing this call's parked inputs back (its backward runs soon)."""
+        for reference in self.parked:
+            parked = reference()
+            if parked is not None:
+                parked.prefetch()
+
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        items = list(self.template)
+        for position, tensor in zip(self.positions, tensors, strict=True):
+            items[position] = tensor
+        return items
+
+    @contextlib.contextmanager
+    def replayed_state(self) -> Iterator[None]:
+        """The RNG and autocast state of the forward, for the recompute; the caller's RNG is left as it was."""
+        with torch.random.fork_rng(devices=list(self.cuda_rng)), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            for index, state in self.cuda_rng.items():
+                torch.cuda.set_rng_state(state, index)
+            for settings in self.autocast:
+                stack.enter_context(torch.autocast(**settings))
+            yield
+
+
+class _CheckpointedLayer(torch.autograd.Function):
+    """Runs a layer without keeping its activations; the backward recomputes it from the saved (or parked) input.
+
+    The inputs after ``call`` are the layer's positional tensors, the keyword tensors that need a gradient, and the
+    layer's trainable parameters, so their gradients return through autograd as for any other op (and reach
+    ``AccumulateGrad`` and any hooks on it once).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: _LayerCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        inputs = tensors[: len(call.positions)]
+        if call.offload:
+            # Queued before the layer's kernels, so the copy to host overlaps them.
+            call.pending = [call.engine.park(call.slot, tensor) for tensor in inputs]
+        outputs = call.function(*call.arguments(inputs))
+        flat, call.rebuild = _flatten(outputs, call.owner)
+        call.previous = call.engine.follow(call.slot, call)
+        # Packed by the caller's hooks, or parked in host memory by call.park (LayerCheckpoint.__call__).
+        ctx.save_for_backward(*inputs)
+        ctx.mark_non_differentiable(*[tensor for tensor in flat if not tensor.is_floating_point()])
+        return tuple(flat)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _LayerCall = ctx.call
+        inputs = ctx.saved_tensors
+        previous = call.previous() if call.previous is not None else None
+        if previous is not None:
+            # The layer before runs its backward next; its input copies in while this one recomputes.
+            previous.prefetch()
+        leaves = [tensor.detach().requires_grad_(needs) for tensor, needs in zip(inputs, call.needs_grad, strict=True)]
+        keyword_leaves = {
+            path: _keyword(call.function, path).detach().requires_grad_(True) for path in call.keyword_paths
+        }
+        function = _with_keywords(call.function, keyword_leaves)
+        with torch.enable_grad(), call.replayed_state():
+            outputs = function(*call.arguments(leaves))
+        flat, _ = _flatten(outputs, call.owner)
+        pairs = [(out, grad) for out, grad in zip(flat, grads, strict=True) if grad is not None and out.requires_grad]
+        targets = [leaf for leaf in leaves if leaf.requires_grad] + list(keyword_leaves.values()) + call.parameters
+        found: Sequence[torch.Tensor | None] = [None] * len(targets)
+        if pairs and targets:
+            found = torch.autograd.grad(
+                [out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True
+            )
+        remaining = iter(found)
+        input_grads = [next(remaining) if needs else None for needs in call.needs_grad]
+        return (None, *input_grads, *remaining)
+
+
+class LayerCheckpoint:
+    """fastft's ``_gradient_checkpointing_func`` for one decoder layer (see the module docstring).
+
+    transformers calls it as ``func(layer_call, *args)``, where ``layer_call`` runs the layer with its keyword
+    arguments bound.
+
+    Args:
+        layer: The decoder layer; its trainable parameters get their gradients through the checkpoint.
+        slot: The layer's position among the checkpointed layers.
+        engine: The model's :class:`~fastft.offload.OffloadEngine`.
+        keep_on_device: Keep the input on its device (the last layer: its backward comes first).
+    """
+
+    def __init__(self, layer: torch.nn.Module, slot: int, engine: OffloadEngine, keep_on_device: bool) -> None:
+        self.layer, self.slot, self.engine, self.keep_on_device = layer, slot, engine, keep_on_device
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            function = functools.partial(function, **kwargs)
+        parameters = [parameter for parameter in self.layer.parameters() if parameter.requires_grad]
+        tensors = [item for item in args if isinstance(item, torch.Tensor)]
+        keyword_paths = _grad_keyword_paths(function)
+        needs_graph = parameters or keyword_paths or any(tensor.requires_grad for tensor in tensors)
+        if not (torch.is_grad_enabled() and needs_graph):
+            return function(*args)
+        owner = f"{type(self.layer).__name__} {self.slot}"
+        call = _LayerCall(
+            owner, function, args, self.slot, self.engine, not self.keep_on_device, parameters, keyword_paths
+        )
+        keyword_tensors = [_keyword(function, path) for path in keyword_paths]
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(call.park, ParkedTensor.take)
+            if call.offload
+            else contextlib.nullcontext()
+        )
+        with hooks:
+            flat = _CheckpointedLayer.apply(call, *tensors, *keyword_tensors, *parameters)
+        return call.rebuild(flat)
+
+    def __repr__(self) -> str:
+        return f"LayerCheckpoint(slot={self.slot}, keep_on_device={self.keep_on_device})"
+
+
+def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+def install(model: torch.nn.Module, engine: OffloadEngine) -> int:
+    """Give every checkpointed decoder layer of ``model`` its :class:`LayerCheckpoint`; returns how many.
+
+    Called after transformers' own enable call, which set the stock function on each layer.
+    """
+    layers = [layer for layer in _checkpointed_layers(model) if getattr(layer, "gradient_checkpointing", False)]
+    last = len(layers) - 1
+    for slot, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = LayerCheckpoint(layer, slot, engine, keep_on_device=slot == last)
+    return len(layers)
+
+
+def engine_of(model: torch.nn.Module) -> OffloadEngine | None:
+    """The model's offload engine (``None`` when the ``checkpoint.offload`` patch did not apply)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, _ENGINE_ATTR, None)
+
+
+def _has_checkpointed_layers(model: torch.nn.Module) -> str | None:
+    if not _checkpointed_layers(model):
+        return f"{type(model).__name__} has no GradientCheckpointingLayer (transformers' checkpointed decoder layer)"
+    return None
+
+
+def _attach_engine(model: torch.nn.Module) -> int:
+    setattr(model, _ENGINE_ATTR, OffloadEngine())
+    return len(_checkpointed_layers(model))
+
+
+# transformers gives each checkpointed layer its function through _set_gradient_checkpointing; the layer calls it as
+# func(layer_call, *args) in every tested range (from __call__ up to 5.22, from a wrapped forward in 5.23).
+_TARGET = "transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing"
+_FINGERPRINT = "(self, enable=True, gradient_checkpointing_func=torch.utils.checkpoint.checkpoint)"
+for _versions, _fingerprint in (
+    (">=4.53.3,<4.58", _FINGERPRINT),
+    (">=5.5.4,<5.16", _FINGERPRINT),
+    (">=5.16,<5.24", _FINGERPRINT[:-1] + ", every_n_layers=1)"),
+):
+    register(
+        PatchRecord(
+            name=PATCH_NAME,
+            target=_TARGET,
+            versions={"transformers": _versions},
+            fingerprint=_fingerprint,
+            applies_to=_has_checkpointed_layers,
+            apply=_attach_engine,
+            replacement=LayerCheckpoint,
+        )
+    )

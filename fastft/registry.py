@@ -129,8 +129,9 @@ def records() -> dict[str, list[PatchRecord]]:
 
 
 def _load_builtin_patches() -> None:
-    # The per-architecture patch modules register themselves on import; they sit below this layer.
+    # The per-architecture patch modules and the checkpointer register themselves on import; they sit below this layer.
     importlib.import_module("fastft.patches")
+    importlib.import_module("fastft.checkpoint")
 
 
 def installed_version(library: str) -> str | None:
@@ -175,7 +176,8 @@ def signature_fingerprint(obj: Callable[..., Any]) -> str:
     """The parts of a callable's signature a replacement depends on: names, kinds and defaults, in order.
 
     Annotations are left out: upstream rewrites ``Optional[X]`` as ``X | None`` between releases without changing
-    what a caller may pass.
+    what a caller may pass. A function or class default is written by its dotted name, since its ``repr`` holds a
+    memory address.
     """
     parts = []
     for parameter in inspect.signature(obj).parameters.values():
@@ -187,7 +189,9 @@ def signature_fingerprint(obj: Callable[..., Any]) -> str:
         elif parameter.kind is parameter.KEYWORD_ONLY:
             text = "kw:" + text
         if parameter.default is not parameter.empty:
-            text += f"={parameter.default!r}"
+            default = parameter.default
+            named = inspect.isfunction(default) or inspect.isclass(default) or inspect.isbuiltin(default)
+            text += f"={default.__module__}.{default.__qualname__}" if named else f"={default!r}"
         parts.append(text)
     return "(" + ", ".join(parts) + ")"
 

@@ -23,6 +23,9 @@ def _folder(tmp_path, tokenizer, **overrides) -> str:
 
 def _lora(folder: str, patch: bool = True, **lora_kwargs):
     model, _ = FastModel.from_pretrained(folder, max_seq_length=64, patch=patch)
+    # Without checkpointing, so the forward graph holds every layer's nodes: the offloaded checkpointer builds a
+    # layer's graph only in backward (tests/test_checkpoint_offload.py checks the fused path runs in there too).
+    lora_kwargs.setdefault("use_gradient_checkpointing", False)
     model = FastModel.get_peft_model(model, r=8, lora_alpha=16, **lora_kwargs)
     randomize_lora_b(model)
     return model
@@ -242,7 +245,7 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
 def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path):
     folder = _folder(tmp_path, smol_tokenizer)
     model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
     randomize_lora_b(model)
     assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     assert all(row["fallbacks"] == {} for row in patch_report(model))

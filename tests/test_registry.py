@@ -19,7 +19,7 @@ from fastft.registry import PatchRecord, PatchSkippedError, records, signature_f
 pytestmark = pytest.mark.lane
 
 LANES = Path(__file__).resolve().parents[1] / ".ci" / "lanes"
-PATCH_NAMES = {"llama.rms_norm", "llama.attention", "llama.mlp", "llama.causal_lm_loss"}
+PATCH_NAMES = {"llama.rms_norm", "llama.attention", "llama.mlp", "llama.causal_lm_loss", "checkpoint.offload"}
 
 
 @pytest.fixture(autouse=True)
