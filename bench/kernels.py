@@ -42,6 +42,7 @@ from fastft.kernels.nf4 import dequantize_nf4, nf4_linear
 from fastft.kernels.rms_norm import rms_norm
 from fastft.kernels.rope import apply_rope
 from fastft.kernels.swiglu import swiglu
+from fastft.measure import SavedTensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -99,16 +100,9 @@ def _median_ms(step: Callable[[], object], device: torch.device, repeats: int, w
 
 def _saved_bytes(step: Callable[[], torch.Tensor]) -> int:
     """Bytes autograd keeps for backward over one forward (each storage counted once)."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes() as saved:
         step()
-    return sum(seen.values())
+    return saved.bytes
 
 
 def device_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> dict:

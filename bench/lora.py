@@ -64,6 +64,7 @@ from fastft.environment import describe_device, package_versions
 from fastft.kernels import dispatch
 from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
+from fastft.measure import SavedTensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fused", "peft", "floor")
@@ -122,7 +123,7 @@ class Workload:
     scales: list[float]
     forward: dict[str, Callable[[], tuple[torch.Tensor, ...]]]
     # Storages that exist whatever the system does (inputs, weights, upstream gradients): not counted as saved.
-    resident: set[int]
+    resident: tuple[torch.Tensor, ...]
     # The class peft wrapped q_proj in (its bitsandbytes Linear4bit for NF4, lora.Linear otherwise).
     peft_layer: str
 
@@ -202,8 +203,7 @@ def build_workload(shape: Shape, weights: str, dtype: torch.dtype, device: torch
         "peft": lambda: model(x),
         "floor": floor_forward,
     }
-    resident = {t.untyped_storage().data_ptr() for t in (x, w_cat, dy_cat, *dense, *upstream, *lora_params.values())}
-    resident |= {p.untyped_storage().data_ptr() for p in model.parameters()}
+    resident = (x, w_cat, dy_cat, *dense, *upstream, *lora_params.values(), *model.parameters())
     peft_layer = f"{type(model.base_model.model.q_proj).__module__}.{type(model.base_model.model.q_proj).__name__}"
     return Workload(x, upstream, [dy_cat], lora_params, dense, scales, forward, resident, peft_layer)
 
@@ -334,20 +334,12 @@ def peak_memory(step: Callable[[], None], device: torch.device, before: Callable
     return {"peak_allocated_bytes": peak, "peak_above_start_bytes": peak - start}
 
 
-def saved_bytes(forward: Callable[[], tuple[torch.Tensor, ...]], resident: set[int]) -> int:
+def saved_bytes(forward: Callable[[], tuple[torch.Tensor, ...]], resident: tuple[torch.Tensor, ...]) -> int:
     """Bytes autograd keeps for backward over one forward, each storage once, inputs and weights not counted."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in resident:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(exclude=resident) as saved:
         outputs = forward()
     del outputs
-    return sum(seen.values())
+    return saved.bytes
 
 
 def _before_memory_step(workload: Workload, system: str) -> None:

@@ -140,33 +140,19 @@ def saved_for_backward(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[
     ``saved_bytes_raw`` sums ``nbytes`` of every packed tensor, repeats included. Also counts the fused fastft
     nodes in the loss graph.
     """
-    parameter_ids = {id(p) for p in model.parameters()}
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-    raw = packed = skipped = 0
+    from fastft.measure import SavedTensorBytes
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal raw, packed, skipped
-        storage = tensor.untyped_storage()
-        if id(tensor) in parameter_ids or storage.data_ptr() in parameter_storages:
-            skipped += 1
-            return tensor
-        packed += 1
-        raw += tensor.nbytes
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(exclude=model.parameters()) as saved:
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     nodes = graph_node_names(loss.grad_fn)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return {
-        "saved_bytes": sum(storages.values()),
-        "saved_bytes_raw": raw,
-        "saved_tensors": packed,
-        "saved_storages": len(storages),
-        "packed_parameters_excluded": skipped,
+        "saved_bytes": saved.bytes,
+        "saved_bytes_raw": saved.raw_bytes,
+        "saved_tensors": saved.tensors,
+        "saved_storages": len(saved.storages),
+        "packed_parameters_excluded": saved.excluded,
         "graph_nodes": len(nodes),
         "fused_nodes": {fragment: sum(fragment + "Function" in name for name in nodes) for fragment in FUSED_NODES},
     }

@@ -30,6 +30,7 @@ class SavedTensorBytes:
         bytes: Bytes of the distinct storages saved so far.
         raw_bytes: ``nbytes`` of every saved tensor, repeats included.
         tensors: How many tensors were packed (excluded ones not counted).
+        excluded: How many packed tensors were left out because their storage is one of ``exclude``.
         storages: Storage address to its size in bytes.
     """
 
@@ -38,6 +39,7 @@ class SavedTensorBytes:
         self.storages: dict[int, int] = {}
         self.raw_bytes = 0
         self.tensors = 0
+        self.excluded = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     @property
@@ -46,7 +48,9 @@ class SavedTensorBytes:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._excluded:
+        if storage.data_ptr() in self._excluded:
+            self.excluded += 1
+        else:
             self.tensors += 1
             self.raw_bytes += tensor.nbytes
             self.storages[storage.data_ptr()] = storage.nbytes()
