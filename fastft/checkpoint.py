@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.offload import OffloadEngine, ParkedTensor
-from fastft.registry import PatchRecord, register
+from fastft.registry import PatchRecord, patch_report, register
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,9 @@ def _apply(model: torch.nn.Module, mode: str | None) -> None:
 
 
 def _why_not_hooked(model: torch.nn.Module) -> str:
-    rows = {row["name"]: row for row in getattr(model, "_fastft_patch_report", [])}
-    row = rows.get(PATCH_NAME)
-    if row is None:
+    try:
+        row = next(row for row in patch_report(model) if row["name"] == PATCH_NAME)
+    except ValueError:
         return "the model was not loaded through FastModel.from_pretrained"
     return f"patch {PATCH_NAME} is {row['status']} ({row['reason']}; fastft.patch_report(model) lists every patch)"
 
