@@ -70,6 +70,39 @@ class HostBufferPool:
             self._free.clear()
 
 
+class StreamOps:
+    """The CUDA calls that order the offload copies, in one place.
+
+    Streams and events come from here and are used through their own ``wait_stream`` / ``record_event`` /
+    ``wait_event``. A test hands :class:`OffloadEngine` a stand-in that performs the copies on CPU and records the
+    order of every call, which is how the copy protocol is checked without a GPU.
+    """
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A fresh side stream on ``device``."""
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device) -> Any:
+        """The stream the caller's kernels are queued on."""
+        return torch.cuda.current_stream(device)
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor, stream: Any, label: str) -> None:
+        """Queue ``destination.copy_(source)`` on ``stream`` without waiting for it (``label`` names it in traces)."""
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+
+    def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep the caching allocator from reusing ``tensor``'s memory before the work queued on ``stream`` ran."""
+        tensor.record_stream(stream)
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Memory on ``device``, allocated on the current stream."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+_CUDA = StreamOps()
+
+
 class ParkedTensor:
     """One tensor copied off its device during the forward, brought back for the backward.
 
@@ -82,18 +115,18 @@ class ParkedTensor:
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self._pool = engine.pool(tensor.device)
+        self._ops = engine.stream_ops(tensor.device)
         self._stream = engine.side_stream(tensor.device)
         self._host: torch.Tensor | None = self._pool.take(slot, self.nbytes)
         self._fetched: torch.Tensor | None = None
         self._ready: Any = None
         host = self._host_view()
-        if self._stream is None:
+        if self._ops is None:
             host.copy_(tensor)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(self._stream):
-            host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self._stream)
+        self._stream.wait_stream(self._ops.current(self.device))
+        self._ops.copy(host, tensor, self._stream, f"to host {slot}")
+        self._ops.keep_until_done(tensor, self._stream)
 
     def _host_view(self) -> torch.Tensor:
         return self._host[: self.nbytes].view(self.dtype).view(self.shape)
@@ -102,23 +135,22 @@ class ParkedTensor:
         """Start copying the tensor back to its device, unless that has started already."""
         if self._fetched is not None:
             return
-        if self._stream is None:
+        if self._ops is None:
             self._fetched = self._host_view().clone()
             return
         # Allocated on the compute stream, which reads it only after waiting for the copy below, so the memory needs
         # no record_stream: it is freed on the compute stream after that read.
-        fetched = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            fetched.copy_(self._host_view(), non_blocking=True)
-            self._ready = self._stream.record_event()
+        fetched = self._ops.empty(self.shape, self.dtype, self.device)
+        self._stream.wait_stream(self._ops.current(self.device))
+        self._ops.copy(fetched, self._host_view(), self._stream, f"to device {self.slot}")
+        self._ready = self._stream.record_event()
         self._fetched = fetched
 
     def take(self) -> torch.Tensor:
         """The tensor on its device, ready to be read on the current stream."""
         self.prefetch()
         if self._ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ops.current(self.device).wait_event(self._ready)
         tensor, self._fetched, self._ready = self._fetched, None, None
         return tensor
 
@@ -134,12 +166,15 @@ class OffloadEngine:
     Args:
         park_cpu_tensors: Copy CPU tensors into (unpinned) pool buffers too. CPU training never needs it (the input is
             already in host memory); it lets a CPU test exercise the buffer and prefetch bookkeeping.
+        cpu_stream_ops: Queue the copies of CPU tensors through these stream operations (a test's recording stand-in
+            for CUDA's); without them CPU copies are plain synchronous copies.
     """
 
-    def __init__(self, park_cpu_tensors: bool = False) -> None:
+    def __init__(self, park_cpu_tensors: bool = False, cpu_stream_ops: StreamOps | None = None) -> None:
         self.park_cpu_tensors = park_cpu_tensors
+        self.cpu_stream_ops = cpu_stream_ops
         self._pools: dict[torch.device, HostBufferPool] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[torch.device, Any] = {}
         self._last: weakref.ref | None = None
         self._last_slot = -1
 
@@ -157,12 +192,17 @@ class OffloadEngine:
             self._pools[device] = HostBufferPool(pin_memory=device.type == "cuda")
         return self._pools[device]
 
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The copy stream for ``device`` (``None`` off CUDA, where copies are synchronous)."""
-        if device.type != "cuda":
+    def stream_ops(self, device: torch.device) -> StreamOps | None:
+        """How copies from ``device`` are queued: CUDA's streams, or ``None`` for plain synchronous copies."""
+        return _CUDA if device.type == "cuda" else self.cpu_stream_ops
+
+    def side_stream(self, device: torch.device) -> Any:
+        """The copy stream for ``device`` (``None`` where copies are synchronous)."""
+        ops = self.stream_ops(device)
+        if ops is None:
             return None
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
+            self._streams[device] = ops.new_stream(device)
         return self._streams[device]
 
     def follow(self, slot: int, call: Any) -> weakref.ref | None:
@@ -193,10 +233,10 @@ class OffloadEngine:
 
     def __getstate__(self) -> dict[str, Any]:
         # Buffers, streams and weak references do not pickle or deep-copy; a copy starts empty.
-        return {"park_cpu_tensors": self.park_cpu_tensors}
+        return {"park_cpu_tensors": self.park_cpu_tensors, "cpu_stream_ops": self.cpu_stream_ops}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
 
 
-__all__ = ["HostBufferPool", "OffloadEngine", "ParkedTensor"]
+__all__ = ["HostBufferPool", "OffloadEngine", "ParkedTensor", "StreamOps"]

@@ -336,3 +336,86 @@ def test_the_host_buffer_pool_reuses_the_smallest_fit_and_grows_by_replacing():
     pool.close()
     pool.give(0, bigger)
     assert pool.held_bytes() == 0
+
+
+class _Stream:
+    """A stand-in CUDA stream that writes what is queued on it into a shared trace."""
+
+    def __init__(self, name: str, trace: list) -> None:
+        self.name, self.trace = name, trace
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.trace.append(("wait", self.name, other.name))
+
+    def record_event(self) -> int:
+        event = len(self.trace)
+        self.trace.append(("record", self.name, event))
+        return event
+
+    def wait_event(self, event: int) -> None:
+        self.trace.append(("wait event", self.name, event))
+
+
+class _RecordedStreams:
+    """CUDA's stream operations replayed on CPU: copies run at once, every call lands in ``trace``."""
+
+    def __init__(self) -> None:
+        self.trace: list = []
+        self.compute = _Stream("compute", self.trace)
+
+    def new_stream(self, device):
+        return _Stream("side", self.trace)
+
+    def current(self, device):
+        return self.compute
+
+    def copy(self, destination, source, stream, label):
+        destination.copy_(source)
+        self.trace.append(("copy", stream.name, label))
+
+    def keep_until_done(self, tensor, stream):
+        self.trace.append(("keep", stream.name))
+
+    def empty(self, shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.mark.lane
+def test_the_copies_are_ordered_against_the_compute_stream(tiny_folder):
+    """The CUDA protocol, replayed with recorded stand-in streams: each copy waits for what it reads, is waited for
+    before its result is read, and the backward's copy of a layer's input is queued before the layer above recomputes.
+    """
+    expected = _step(_model(tiny_folder, False), [_ids(49152)])
+    model = _model(tiny_folder, "offload", park=True)
+    streams = _RecordedStreams()
+    engine_of(model).cpu_stream_ops = streams
+    for index, layer in enumerate(model.model.model.layers):
+        # On the first submodule: transformers 5.23 checkpoints the layer's forward, inside the layer's own hooks.
+        layer.input_layernorm.register_forward_pre_hook(
+            lambda *_, index=index: streams.trace.append(
+                ("layer", index, "recompute" if torch.is_grad_enabled() else "forward")
+            )
+        )
+    _assert_same(expected, _step(model, [_ids(49152)]))
+    trace = streams.trace
+    at = trace.index
+    for slot in range(LAYERS - 1):  # the last layer keeps its input on the device
+        to_host = at(("copy", "side", f"to host {slot}"))
+        # Forward: the side stream first waits for the compute stream (which produced the input), the copy is queued
+        # before the layer's own kernels so it overlaps them, and the input's memory is held until the copy ran.
+        assert trace[to_host - 1] == ("wait", "side", "compute") and trace[to_host + 1] == ("keep", "side")
+        assert to_host < at(("layer", slot, "forward"))
+        assert slot == 0 or at(("layer", slot - 1, "forward")) < to_host
+        # Backward: the copy back waits for the compute stream (its destination was allocated there), records an
+        # event, and the compute stream waits for that event before the layer recomputes from the copy.
+        to_device = at(("copy", "side", f"to device {slot}"))
+        assert trace[to_device - 1] == ("wait", "side", "compute")
+        assert trace[to_device + 1] == ("record", "side", to_device + 1)
+        waited = at(("wait event", "compute", to_device + 1))
+        recompute = at(("layer", slot, "recompute"))
+        assert to_device < waited < recompute
+        # Prefetch: queued during the backward of the layer above, before that layer recomputes, and not waited for
+        # until it has.
+        above = at(("layer", slot + 1, "recompute"))
+        assert at(("layer", LAYERS - 1, "forward")) < to_device < above < waited
+    assert ("copy", "side", f"to host {LAYERS - 1}") not in trace
