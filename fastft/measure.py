@@ -1,11 +1,14 @@
-"""Memory measurements shared by tests and benchmarks: what autograd keeps for backward, and the process's peak RSS."""
+"""Measurements shared by tests and benchmarks: bytes autograd keeps for backward, peak RSS, FLOPs and matmul rate."""
 
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -77,4 +80,42 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-__all__ = ["SavedTensorBytes", "peak_rss_bytes"]
+def count_flops(work: Callable[[], Any]) -> int:
+    """The floating-point operations ``torch.utils.flop_counter.FlopCounterMode`` attributes to ``work()``.
+
+    Only aten operators are seen (matmuls, convolutions, attention): a Triton kernel launched directly counts nothing,
+    so compare systems with the FLOPs of one that runs on aten operators.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        work()
+    return counter.get_total_flops()
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
+    """The dense matmul rate this device reaches, in FLOP/s: the median of ``repeats`` timed square matmuls.
+
+    Args:
+        device: Where to measure.
+        dtype: The operands' dtype.
+        size: The side of the square matrices (default 8192 on CUDA, 1024 elsewhere).
+        repeats: Timed matmuls after one untimed warm-up.
+    """
+    size = size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    times = []
+    for index in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+__all__ = ["SavedTensorBytes", "count_flops", "matmul_rate", "peak_rss_bytes"]
