@@ -7,6 +7,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -74,7 +75,18 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far, in bytes (Linux and macOS)."""
+    """The process's peak resident set size so far, in bytes.
+
+    ``VmHWM`` from ``/proc/self/status`` where there is one (Linux; writing ``5`` to ``/proc/self/clear_refs`` resets
+    it on kernels that allow it), else ``getrusage``'s ``ru_maxrss``. Either may start at the size the parent had
+    when it started this process (``ru_maxrss`` always does), so measure growth from a known point, or in a process
+    started by a small one.
+    """
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kibibytes, macOS bytes.
     return peak if sys.platform == "darwin" else peak * 1024
