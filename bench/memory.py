@@ -25,8 +25,9 @@ recorded as status ``"oom"`` and the run goes on. Within each sequence length th
 first-step loss and the count of bytes saved for backward over its forward (``fastft.measure.SavedTensorBytes``,
 parameters left out, each storage once); then ``torch.cuda.reset_peak_memory_stats`` and ``--steps`` timed steps,
 each CUDA-synchronised: peak VRAM is ``torch.cuda.max_memory_allocated`` over those steps, the step time their
-median. The process's peak RSS is its high-water mark after the model was built (reset through
-``/proc/self/clear_refs`` where Linux allows).
+median. The process's peak RSS is its high-water mark (``fastft.measure.peak_rss_bytes``), reset after the model
+was built where the kernel allows it; ``rss_high_water_mark_reset`` says whether it was, and if not the figure may
+include the build.
 
 transformers' checkpointing (``recompute``) keeps each layer's input alive through its own closure, not through a
 saved tensor, so ``SavedTensorBytes`` does not see those inputs; fastft's (``offload``) saves them as tensors on CPU
@@ -139,25 +140,6 @@ def build_model(shape: str, device: str, dtype_name: str, max_positions: int) ->
     return model
 
 
-def _vm_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_rss_high_water_mark() -> bool:
-    try:
-        # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0), so building the model leaves no peak behind.
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _is_oom(error: BaseException) -> bool:
     import torch
 
@@ -187,7 +169,7 @@ def measure(device: str, shape: str, seq: int, mode: str, steps: int, threads: i
     from fastft import FastModel
     from fastft.environment import describe_device, package_versions
     from fastft.kernels import dispatch
-    from fastft.measure import SavedTensorBytes, peak_rss_bytes
+    from fastft.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
 
     on_cuda = device == "cuda"
     dtype_name = DTYPES[device]
@@ -222,8 +204,9 @@ def measure(device: str, shape: str, seq: int, mode: str, steps: int, threads: i
             torch.cuda.empty_cache()
             row["vram_after_build_bytes"] = torch.cuda.memory_allocated()
         row["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        row["rss_after_build_bytes"] = (_vm_kib("VmRSS") or 0) * 1024 or None
-        row["rss_high_water_mark_reset"] = _reset_rss_high_water_mark()
+        row["rss_after_build_bytes"] = resident_bytes()
+        # Where the kernel ignores the reset, the peak may still hold the build (or the parent's size at the fork).
+        row["rss_high_water_mark_reset"] = reset_peak_rss()
 
         def step() -> None:
             loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
@@ -278,8 +261,7 @@ def measure(device: str, shape: str, seq: int, mode: str, steps: int, threads: i
         if on_cuda:
             # how far it got: the high-water mark of the phase that ran out (reset after the warm-up)
             row["peak_vram_before_oom_bytes"] = torch.cuda.max_memory_allocated()
-    high_water = _vm_kib("VmHWM") if row.get("rss_high_water_mark_reset") else None
-    row["peak_rss_bytes"] = high_water * 1024 if high_water is not None else peak_rss_bytes()
+    row["peak_rss_bytes"] = peak_rss_bytes()
     row["load_average_after"] = os.getloadavg()
     return row
 
@@ -508,7 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "step": "forward(input_ids, labels=input_ids, use_cache=False) + loss.backward() + zero_grad",
             "peak_vram": "torch.cuda.max_memory_allocated over the timed steps, reset after the warm-up",
             "saved_bytes": "fastft.measure.SavedTensorBytes over the warm-up forward, parameters excluded",
-            "peak_rss": "the process's VmHWM, reset after building the model",
+            "peak_rss": "fastft.measure.peak_rss_bytes, reset after building the model where the kernel allows",
             "one_process_per_run": True,
             "timeout_s": args.timeout,
             "loss_tolerance": LOSS_TOLERANCE[dtype_name],

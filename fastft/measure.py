@@ -74,19 +74,47 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def resident_bytes() -> int | None:
+    """The process's resident set size now, in bytes (``None`` without ``/proc``)."""
+    return _status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak that :func:`peak_rss_bytes` reports to the current resident size, where the kernel allows it.
+
+    Returns:
+        Whether the peak now reads as the resident size (checked, since some kernels accept the write and ignore it).
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    peak, resident = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+    # A little slack: pages touched between the two reads.
+    return peak is not None and resident is not None and peak <= resident + (4 << 20)
+
+
+def _status_bytes(field: str) -> int | None:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far, in bytes.
 
-    ``VmHWM`` from ``/proc/self/status`` where there is one (Linux; writing ``5`` to ``/proc/self/clear_refs`` resets
-    it on kernels that allow it), else ``getrusage``'s ``ru_maxrss``. Either may start at the size the parent had
-    when it started this process (``ru_maxrss`` always does), so measure growth from a known point, or in a process
-    started by a small one.
+    ``VmHWM`` from ``/proc/self/status`` where there is one (Linux; :func:`reset_peak_rss` resets it where the kernel
+    allows), else ``getrusage``'s ``ru_maxrss``. Either may start at the size the parent had when it started this
+    process (``ru_maxrss`` always does), so measure growth from a known point, or in a process started by a small
+    one.
     """
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kibibytes, macOS bytes.
     return peak if sys.platform == "darwin" else peak * 1024
@@ -130,4 +158,4 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = Non
     return 2 * size**3 / statistics.median(times)
 
 
-__all__ = ["SavedTensorBytes", "count_flops", "matmul_rate", "peak_rss_bytes"]
+__all__ = ["SavedTensorBytes", "count_flops", "matmul_rate", "peak_rss_bytes", "reset_peak_rss", "resident_bytes"]
