@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fastft.environment import describe_device, package_versions
+from fastft.environment import describe_device, device_slug, package_versions
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import fused_linear_cross_entropy
 from fastft.kernels.nf4 import dequantize_nf4, nf4_linear
@@ -366,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     repeats = args.repeats or (3 if args.quick else 10)
     record = run(device, dtype, shapes, repeats, warmup=1 if args.quick else 3, quick=args.quick)
-    slug = record["device"].split(" (")[0].replace(" ", "-").lower() if device.type == "cuda" else "cpu"
-    output = args.output or RESULTS / f"kernels-{slug}-{dtype_name}.json"
+    output = args.output or RESULTS / f"kernels-{device_slug(record['device'])}-{dtype_name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {output}")

@@ -51,7 +51,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -60,7 +59,7 @@ from typing import Any
 
 import torch
 
-from fastft.environment import describe_device, package_versions
+from fastft.environment import describe_device, device_slug, package_versions
 from fastft.kernels import dispatch
 from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
@@ -472,13 +471,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def device_slug(device: torch.device) -> str:
-    """``cpu``, or the GPU's name in lower case with every run of other characters turned into one dash."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run every shape × weight format, print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -566,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = format_table(rows)
     print(table)
-    output = args.out or RESULTS / f"lora-{device_slug(device)}.json"
+    output = args.out or RESULTS / f"lora-{device_slug(record['device'])}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {output}")

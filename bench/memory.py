@@ -61,7 +61,6 @@ import argparse
 import gc
 import json
 import platform
-import re
 import statistics
 import subprocess
 import tempfile
@@ -344,13 +343,6 @@ def summarise(rows: list[dict[str, Any]], seqs: list[int], dtype_name: str, on_c
     return summary
 
 
-def device_slug(device_name: str | None, device: str) -> str:
-    """``cpu``, or the GPU's name in lower case with every run of other characters turned into one dash."""
-    if device != "cuda" or not device_name:
-        return "cpu" if device != "cuda" else "cuda"
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-
-
 def plot(record: dict[str, Any], path: Path) -> Path:
     """Peak VRAM (CPU: bytes saved for backward) and step time against sequence length, one line per mode."""
     import matplotlib
@@ -559,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if row["status"] in ("ok", "oom") else 1
 
     record = run(args)
-    out = args.out or RESULTS / f"memory-{device_slug(record['device'], args.device)}.json"
+    from fastft.environment import device_slug
+
+    out = args.out or RESULTS / f"memory-{device_slug(record['device'] or args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     png = plot(record, out.with_suffix(".png"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -40,4 +41,13 @@ def describe_device(device: torch.device, threads: int | None = None) -> str:
     return f"cpu: {cpu_model()} ({threads if threads is not None else torch.get_num_threads()} threads)"
 
 
-__all__ = ["cpu_model", "describe_device", "package_version", "package_versions"]
+def device_slug(description: str) -> str:
+    """A file-name part for a device: ``cpu`` for any :func:`describe_device` text of a CPU, else the name in lower
+    case with every run of other characters turned into one dash (``"NVIDIA H100 80GB HBM3"`` ->
+    ``"nvidia-h100-80gb-hbm3"``)."""
+    if description.startswith("cpu"):
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", description.lower()).strip("-")
+
+
+__all__ = ["cpu_model", "describe_device", "device_slug", "package_version", "package_versions"]
