@@ -1,4 +1,4 @@
-"""The ``fastft`` command: ``fastft train`` and ``fastft doctor``."""
+"""The ``fastft`` command: ``fastft train``, ``fastft bench`` and ``fastft doctor``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from fastft import __version__
 
@@ -72,17 +73,97 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="benchmark fastft against transformers + peft, Liger-Kernel and Unsloth",
+        description="One LoRA training step per system, one process per measurement, systems alternated; prints "
+        "the table and writes JSON and a plot (bench/results/ in a source checkout). Competitors run in their own "
+        "venvs, built on first use.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--workloads", nargs="+", help="workload names (default: all of the device's)")
+    parser.add_argument("--systems", nargs="+", help="system names (default: all with a path on the device)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (one process per system each)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process, after the first step")
+    parser.add_argument("--longest", action="store_true", help="also find each system's longest sequence (GPU)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, to check the harness in seconds")
+    parser.add_argument("--output-dir", type=Path, help="where the JSON and plot go")
+    parser.add_argument("--venv-root", type=Path, help="where competitor venvs are built and reused")
+    parser.add_argument("--rebuild-venvs", action="store_true", help="rebuild competitor venvs")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds one measurement may take")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--readme", type=Path, help="README whose section for this device gets the new table")
+    parser.add_argument("--readme-from", type=Path, help="only redraw the plot and README section from this JSON")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from fastft.bench import BenchError, Options, run, write
+    from fastft.bench.harness import repository_root
+
+    root = repository_root()
+    readme = args.readme or (root / "bench" / "README.md" if root is not None and not args.quick else None)
+    if args.readme_from is not None:
+        from fastft.bench.report import plot, update_readme
+
+        record = json.loads(args.readme_from.read_text())
+        paths = {"json": args.readme_from, "plot": plot(record, args.readme_from.with_suffix(".png"))}
+        if readme is None:
+            print("error: --readme-from needs --readme outside a source checkout", file=sys.stderr)
+            return 2
+        update_readme(readme, record, paths)
+        print(f"fastft bench: redrew {paths['plot']} and updated {readme}")
+        return 0
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = Options(
+        device=args.device,
+        workloads=args.workloads,
+        systems=args.systems,
+        rounds=args.rounds,
+        steps=args.steps,
+        quick=args.quick,
+        longest=args.longest,
+        output_dir=args.output_dir,
+        venv_root=args.venv_root,
+        rebuild_venvs=args.rebuild_venvs,
+        timeout_s=args.timeout,
+        plot=not args.no_plot,
+        readme=readme,
+    )
+    if options.rounds < 1 or options.steps < 1:
+        print("error: --rounds and --steps must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        record = run(options)
+    except (BenchError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    paths = write(record, options)
+    print("fastft bench: wrote " + ", ".join(str(path) for path in paths.values()))
+    failed = [row for row in record["summary"] if row["failed"]]
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fastft`` console script."""
     parser = argparse.ArgumentParser(prog="fastft", description="fastft: fast LoRA / QLoRA fine-tuning.")
     parser.add_argument("--version", action="version", version=f"fastft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _bench_parser(sub)
     sub.add_parser("doctor", help="show versions, device and the patch report")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "train":
         return _train(args)
+    if args.command == "bench":
+        return _bench(args)
     from fastft.doctor import report
 
     print(report())

@@ -1,0 +1,299 @@
+"""One measurement of ``fastft bench``, in a process of its own: build one system, run its steps, print one JSON line.
+
+The harness starts this file with the Python of the system's environment (a competitor's venv has no fastft), so it
+imports nothing of fastft at module level: ``fastft/measure.py`` and ``fastft/environment.py`` are loaded by path,
+and ``fastft`` itself only for the fastft systems.
+
+    python worker.py --spec '{"system": "fastft", "folder": ..., "dtype": "float32", ...}'
+    python worker.py --matmul-rate cpu float32
+
+The last stdout line starting with ``RESULT_PREFIX`` is the measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# As a script this folder is sys.path[0]; nothing here may shadow an installed module.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+RESULT_PREFIX = "FASTFT-BENCH-RESULT "
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SEED, INPUT_SEED = 1000, 0
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "trl",
+    "accelerate",
+    "bitsandbytes",
+    "triton",
+    "fastft",
+    "unsloth",
+    "unsloth_zoo",
+    "liger-kernel",
+)
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_fastft_bench_{name}", _HERE.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quantization(torch: Any, dtype: Any) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+    )
+
+
+def build(spec: dict[str, Any]) -> Any:
+    """Load ``spec["folder"]`` and add LoRA r=16 on the seven projections the way ``spec["system"]`` does."""
+    system, folder, nf4 = spec["system"], spec["folder"], spec["quant"] == "nf4"
+    if system == "unsloth":
+        import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
+    import torch
+
+    dtype = getattr(torch, spec["dtype"])
+    device_map = {"": 0} if spec["device"] == "cuda" else None
+    if system == "unsloth":
+        from unsloth import FastLanguageModel
+
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name=folder, max_seq_length=spec["max_seq_length"], dtype=dtype, load_in_4bit=nf4
+        )
+        model = FastLanguageModel.get_peft_model(
+            model,
+            r=spec["rank"],
+            lora_alpha=spec["alpha"],
+            lora_dropout=0,
+            bias="none",
+            target_modules=list(TARGETS),
+            use_gradient_checkpointing="unsloth",
+            random_state=0,
+        )
+    elif system.startswith("fastft"):
+        from fastft import FastModel
+
+        model, _ = FastModel.from_pretrained(
+            folder,
+            max_seq_length=spec["max_seq_length"],
+            dtype=dtype,
+            load_in_4bit=nf4,
+            attn_implementation="sdpa",
+        )
+        model = FastModel.get_peft_model(
+            model,
+            r=spec["rank"],
+            lora_alpha=spec["alpha"],
+            lora_dropout=0.0,
+            target_modules=list(TARGETS),
+            use_gradient_checkpointing="offload" if system == "fastft+offload" else False,
+        )
+    else:
+        if system == "liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama()
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            device_map=device_map,
+            quantization_config=_quantization(torch, dtype) if nf4 else None,
+        )
+        if system in ("transformers+peft+gc", "liger"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = LoraConfig(
+            r=spec["rank"],
+            lora_alpha=spec["alpha"],
+            lora_dropout=0.0,
+            target_modules=list(TARGETS),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    model.train()
+    return model
+
+
+def set_lora(model: Any) -> dict[str, Any]:
+    """Give every LoRA A and B seeded values from (layer, projection), the same in every system and process.
+
+    peft starts B at zero, which would make the adapters a no-op and the loss blind to them. Returns how many
+    adapters were set and a checksum of the values, which the harness compares across systems.
+    """
+    import torch
+
+    pattern = re.compile(r"layers\.(\d+)\..*\b(" + "|".join(TARGETS) + r")$")
+    count, checksum = 0, 0.0
+    for name, module in model.named_modules():
+        match = pattern.search(name)
+        if match is None or not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
+            continue
+        layer, projection = int(match.group(1)), TARGETS.index(match.group(2))
+        generator = torch.Generator().manual_seed(LORA_SEED + 16 * layer + projection)
+        a_weight, b_weight = module.lora_A["default"].weight, module.lora_B["default"].weight
+        a = torch.randn(a_weight.shape, generator=generator) / a_weight.shape[1] ** 0.5
+        b = torch.randn(b_weight.shape, generator=generator) * 0.02
+        with torch.no_grad():
+            a_weight.copy_(a)
+            b_weight.copy_(b)
+        count += 1
+        checksum += float(a.double().abs().sum() + b.double().abs().sum())
+    return {"adapters": count, "lora_checksum": checksum}
+
+
+def _tensors(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def checkpoint_inputs(saved: Any) -> Any:
+    """Also count the inputs torch's non-reentrant checkpoint keeps for its recompute.
+
+    It holds them in a closure, where no saved-tensor hook sees them; without this a system checkpointing through
+    torch would look as if it kept nothing of its layers. Yields a dict filled with how many checkpointed calls
+    there were (0 shows a system did not checkpoint through torch).
+    """
+    import torch.utils.checkpoint as torch_checkpoint
+
+    held = {"torch_checkpoint_calls": 0}
+    original = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if original is None:
+        yield held
+        return
+
+    def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        held["torch_checkpoint_calls"] += 1
+        for tensor in _tensors((args, kwargs)):
+            saved.add(tensor)
+        return original(fn, *args, **kwargs)
+
+    # checkpoint() looks this generator up in its module at every call, so replacing it reaches every caller,
+    # however they imported checkpoint itself.
+    torch_checkpoint._checkpoint_without_reentrant_generator = counting
+    try:
+        yield held
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = original
+
+
+def _input_ids(spec: dict[str, Any], vocab_size: int) -> Any:
+    import torch
+
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    ids = torch.randint(0, vocab_size, (spec["batch"], spec["seq"]), generator=generator)
+    return ids.to("cuda" if spec["device"] == "cuda" else "cpu")
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the system, run the first step (loss, bytes saved for backward), optionally count one step's FLOPs,
+    then time ``spec["steps"]`` steps; report memory and versions."""
+    measure_module = _load("measure")
+    environment = _load("environment")
+    started = time.perf_counter()
+    model = build(spec)
+    import torch
+
+    cuda = spec["device"] == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    record: dict[str, Any] = {"load_s": time.perf_counter() - started, **set_lora(model)}
+    ids = _input_ids(spec, model.config.vocab_size)
+    record["input_checksum"] = int(ids.sum())
+    record["rss_after_load_bytes"] = measure_module.resident_bytes()
+    record["peak_rss_reset"] = measure_module.reset_peak_rss()
+
+    def forward() -> Any:
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def step() -> float:
+        loss = forward()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    with measure_module.SavedTensorBytes(exclude=model.parameters()) as saved, checkpoint_inputs(saved) as held:
+        loss = forward()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    record.update(loss=loss.item(), saved_bytes=saved.bytes, saved_bytes_raw=saved.raw_bytes, **held)
+    del loss
+    if spec.get("count_flops"):
+        record["flops"] = measure_module.count_flops(step)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(spec["steps"]):
+        sync()
+        begin = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - begin)
+    record["step_times_s"] = times
+    record["peak_rss_bytes"] = measure_module.peak_rss_bytes()
+    if cuda:
+        record["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+    record["versions"] = environment.package_versions(PACKAGES)
+    if spec["system"].startswith("fastft"):
+        from fastft import patch_report
+
+        record["fastft_patches"] = sorted(row["name"] for row in patch_report(model) if row["status"] == "applied")
+    return record
+
+
+def _oom(error: BaseException) -> bool:
+    return type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--spec", help="the measurement, as JSON")
+    group.add_argument("--matmul-rate", nargs=2, metavar=("DEVICE", "DTYPE"), help="measure the matmul rate")
+    args = parser.parse_args(argv)
+    if args.matmul_rate:
+        import torch
+
+        device, dtype = args.matmul_rate
+        rate = _load("measure").matmul_rate(torch.device(device), getattr(torch, dtype))
+        print(RESULT_PREFIX + json.dumps({"matmul_flops_per_s": rate}), flush=True)
+        return 0
+    spec = json.loads(args.spec)
+    try:
+        record = measure(spec)
+    except Exception as error:
+        if not _oom(error):
+            raise
+        # Running out of memory is a result (the longest-sequence search relies on it), not a crash.
+        record = {"oom": True, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    print(RESULT_PREFIX + json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
