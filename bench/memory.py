@@ -29,9 +29,9 @@ median. The process's peak RSS is its high-water mark (``fastft.measure.peak_rss
 was built where the kernel allows it; ``rss_high_water_mark_reset`` says whether it was, and if not the figure may
 include the build.
 
-transformers' checkpointing (``recompute``) keeps each layer's input alive through its own closure, not through a
-saved tensor, so ``SavedTensorBytes`` does not see those inputs; fastft's (``offload``) saves them as tensors on CPU
-(counted) and parks them in host memory on CUDA (not counted: they are off the GPU). On a GPU, peak VRAM is the figure
+transformers' checkpointing (``recompute``) keeps each layer's input as a saved tensor, which ``SavedTensorBytes``
+counts; fastft's (``offload``) saves them as tensors on CPU (counted) and parks them in host memory on CUDA (not
+counted: they are off the GPU). On a GPU, peak VRAM is the figure
 that decides. Install fastft first (``pip install --no-deps -e .`` in a checkout).
 
 The JSON (default ``bench/results/memory-<device>.json``) holds the device, library versions, settings, one row per

@@ -50,9 +50,7 @@ class SavedTensorBytes:
     def bytes(self) -> int:
         return sum(self.storages.values())
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` as kept for backward although no saved-tensor hook saw it: torch's non-reentrant
-        checkpoint holds its inputs in a closure, not through ``save_for_backward``."""
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() in self._excluded:
             self.excluded += 1
@@ -60,9 +58,6 @@ class SavedTensorBytes:
             self.tensors += 1
             self.raw_bytes += tensor.nbytes
             self.storages[storage.data_ptr()] = storage.nbytes()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.add(tensor)
         return tensor
 
     def __enter__(self) -> SavedTensorBytes:

@@ -36,8 +36,9 @@ SYSTEMS: tuple[System, ...] = (
 
 # Each competitor's pins. Unsloth 2026.10.9 caps transformers at 5.17 and trl at 1.15; it is installed without its
 # declared dependencies (xformers, torchvision and diffusers are not used for text LoRA and have no CPU wheel here),
-# its runtime imports are listed instead. On a GPU image that already has torch and transformers, the venv sees the
-# system site-packages and only what is missing is installed (see bench/README.md for carrying wheels).
+# its runtime imports are listed instead. torch and triton are never pinned: the venv sees the system's, which must
+# stay the pair torch was built with. pip installs only what the system lacks or pins differently (see
+# bench/README.md for carrying wheels to an offline GPU machine).
 VENVS: dict[str, dict[str, list[str]]] = {
     "unsloth": {
         "requirements": [
@@ -47,7 +48,6 @@ VENVS: dict[str, dict[str, list[str]]] = {
             "datasets>=4.7,<5",
             "accelerate>=1.10",
             "bitsandbytes==0.50.2",
-            "triton==3.9.0",
             "tyro",
             "protobuf",
             "sentencepiece",
@@ -73,7 +73,7 @@ VENVS: dict[str, dict[str, list[str]]] = {
         "packages": ["unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes"],
     },
     "liger": {
-        "requirements": ["transformers>=4.53", "peft>=0.16", "accelerate>=1.10", "bitsandbytes>=0.46", "triton>=3.6"],
+        "requirements": ["transformers>=4.53", "peft>=0.16", "accelerate>=1.10", "bitsandbytes>=0.46"],
         "no_deps": ["liger-kernel==0.8.5"],
         "packages": ["liger-kernel", "transformers", "peft", "bitsandbytes"],
     },

@@ -20,7 +20,6 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -159,50 +158,6 @@ def set_lora(model: Any) -> dict[str, Any]:
     return {"adapters": count, "lora_checksum": checksum}
 
 
-def _tensors(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-@contextlib.contextmanager
-def checkpoint_inputs(saved: Any) -> Any:
-    """Also count the inputs torch's non-reentrant checkpoint keeps for its recompute.
-
-    It holds them in a closure, where no saved-tensor hook sees them; without this a system checkpointing through
-    torch would look as if it kept nothing of its layers. Yields a dict filled with how many checkpointed calls
-    there were (0 shows a system did not checkpoint through torch).
-    """
-    import torch.utils.checkpoint as torch_checkpoint
-
-    held = {"torch_checkpoint_calls": 0}
-    original = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
-    if original is None:
-        yield held
-        return
-
-    def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        held["torch_checkpoint_calls"] += 1
-        for tensor in _tensors((args, kwargs)):
-            saved.add(tensor)
-        return original(fn, *args, **kwargs)
-
-    # checkpoint() looks this generator up in its module at every call, so replacing it reaches every caller,
-    # however they imported checkpoint itself.
-    torch_checkpoint._checkpoint_without_reentrant_generator = counting
-    try:
-        yield held
-    finally:
-        torch_checkpoint._checkpoint_without_reentrant_generator = original
-
-
 def _input_ids(spec: dict[str, Any], vocab_size: int) -> Any:
     import torch
 
@@ -237,11 +192,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         return loss.item()
 
-    with measure_module.SavedTensorBytes(exclude=model.parameters()) as saved, checkpoint_inputs(saved) as held:
+    with measure_module.SavedTensorBytes(exclude=model.parameters()) as saved:
         loss = forward()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    record.update(loss=loss.item(), saved_bytes=saved.bytes, saved_bytes_raw=saved.raw_bytes, **held)
+    record.update(loss=loss.item(), saved_bytes=saved.bytes, saved_bytes_raw=saved.raw_bytes)
     del loss
     if spec.get("count_flops"):
         record["flops"] = measure_module.count_flops(step)
