@@ -2,13 +2,13 @@
 
 The public API::
 
-    from fastft import FastModel, ShapeContractError, patch_report
+    from fastft import FastModel, ShapeContractError, patch_report, train_on_responses_only
 
     model, tokenizer = FastModel.from_pretrained("smollm2-135m")
     model = FastModel.get_peft_model(model, r=16)
 
-``FastModel`` and ``patch_report`` are imported on first use, so ``import fastft.kernels`` (tensors only) does not
-pay for importing transformers and peft.
+``FastModel``, ``patch_report`` and ``train_on_responses_only`` are imported on first use, so
+``import fastft.kernels`` (tensors only) does not pay for importing transformers and peft.
 """
 
 from __future__ import annotations
@@ -22,8 +22,13 @@ from fastft.contracts import ShapeContractError
 if TYPE_CHECKING:
     from fastft.model import FastModel
     from fastft.registry import patch_report
+    from fastft.responses import train_on_responses_only
 
-_LAZY = {"FastModel": "fastft.model", "patch_report": "fastft.registry"}
+_LAZY = {
+    "FastModel": "fastft.model",
+    "patch_report": "fastft.registry",
+    "train_on_responses_only": "fastft.responses",
+}
 
 
 def __getattr__(name: str):
@@ -40,4 +45,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FastModel", "ShapeContractError", "__version__", "patch_report"]
+__all__ = ["FastModel", "ShapeContractError", "__version__", "patch_report", "train_on_responses_only"]

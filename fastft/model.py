@@ -431,3 +431,42 @@ class FastModel:
         from fastft.merge import save_merged
 
         return save_merged(model, tokenizer, save_directory, dtype)
+
+    @staticmethod
+    def save_gguf(
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        path: str | Path,
+        quantization: str = "f16",
+    ) -> Path:
+        """Merge the LoRA adapters and write one GGUF file, the single-file format of llama.cpp and the tools on it.
+
+        The merge is :meth:`save_merged`'s (float32, 4-bit bases dequantised), done one decoder layer at a time;
+        the model in memory is not changed. Written with the ``gguf`` package (``pip install 'fastft[gguf]'``),
+        no llama.cpp build needed. The file reloads with
+        ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)`` and
+        ``AutoTokenizer.from_pretrained(folder, gguf_file=name)``. It is written under a temporary name and
+        renamed when complete, so an interrupted export leaves no partial file.
+
+        Args:
+            model: A Llama-architecture model from :meth:`get_peft_model` (or :meth:`from_pretrained`, or an
+                already merged model), in any dtype, 4-bit included.
+            tokenizer: Its byte-level BPE tokenizer (Llama 3, SmolLM, GPT-2 style); vocabulary, merges, special
+                tokens and chat template go into the file.
+            path: A ``.gguf`` file path, or a folder (created if missing) in which the file is named
+                ``<model>-<QUANTIZATION>.gguf``.
+            quantization: ``"f16"`` (default), ``"bf16"``, ``"f32"``, or ``"q8_0"`` (8-bit blocks, about half
+                the size of f16). Norm weights stay float32 in every case, as llama.cpp expects.
+
+        Returns:
+            The path of the written file.
+
+        Raises:
+            ValueError: A non-Llama model, a tokenizer that is not byte-level BPE, an unknown quantization, or
+                merged weights that are not finite (or exceed float16's range with ``"f16"``).
+            NotImplementedError: A rope scaling other than default, linear or llama3.
+            ImportError: The ``gguf`` package is missing.
+        """
+        from fastft.gguf_export import save_gguf
+
+        return save_gguf(model, tokenizer, path, quantization)

@@ -1,0 +1,501 @@
+"""Export to GGUF, llama.cpp's single-file format, written with the ``gguf`` package (no llama.cpp build).
+
+The weights go through fastft's own merge (:func:`fastft.merge.merged_state_dict`: LoRA updates added in float32, a
+4-bit base dequantised first), one decoder layer at a time, so the export never holds more than one layer of dense
+float32 weights plus the embeddings. Each converted tensor is appended to a scratch file beside the output; the GGUF
+header needs every tensor's type and shape before the first byte of data, and this way the weights are neither
+merged twice nor kept in memory. The file itself is written under a temporary name and renamed when complete.
+
+What a loader needs, and where it comes from:
+
+- tensor names: the ``gguf`` package's own Llama name map (``blk.N.attn_q.weight`` ...), the same map transformers
+  inverts when it loads a GGUF;
+- q and k rows: transformers' Llama rotates the two halves of each head, llama.cpp rotates adjacent pairs, so the
+  rows of each head are interleaved here and transformers' GGUF loader undoes exactly that on load;
+- tied embeddings: no ``output.weight`` tensor, which both llama.cpp and transformers read as "tied";
+- the tokenizer: byte-level BPE (``tokenizer.ggml.model = "gpt2"``): tokens, token types, merges, the special ids,
+  whether BOS / EOS are added, the pre-tokenizer name and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastft.merge import merged_state_dict
+
+if TYPE_CHECKING:
+    import gguf as gguf_types
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("f16", "bf16", "f32", "q8_0")
+_F16_MAX = 65504.0
+# Converting a few million values at a time bounds the temporaries of the q8_0 quantiser (several copies of its input)
+# on a large embedding matrix.
+_CHUNK_ELEMENTS = 1 << 24
+# Pre-tokenizer split patterns (as tokenizer.json spells them) and the name llama.cpp knows them by.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+_LLAMA_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
+
+
+@dataclass
+class _Stored:
+    """One converted tensor in the scratch file."""
+
+    name: str
+    ggml_type: Any
+    byte_shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError(
+            "fastft.save_gguf needs the gguf package. Install it with: pip install 'fastft[gguf]' "
+            "(or pip install gguf)."
+        ) from error
+    return gguf
+
+
+def _progress_bars_enabled() -> bool:
+    # Follow transformers' switch, so a user who silenced its loading bars gets none here either.
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.is_progress_bar_enabled()
+
+
+def _check_llama(base: PreTrainedModel) -> None:
+    model_type = getattr(base.config, "model_type", None)
+    if model_type != "llama":
+        raise ValueError(
+            f"fastft.save_gguf: only Llama-architecture models (config.model_type 'llama') can be exported; this "
+            f"{type(base).__name__} has model_type {model_type!r}. Save it with FastModel.save_merged and convert "
+            "that folder with llama.cpp's convert_hf_to_gguf.py."
+        )
+    inner = getattr(base, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(base, "lm_head"):
+        raise ValueError(
+            f"fastft.save_gguf: expected a causal LM with .model.layers and .lm_head (LlamaForCausalLM), got "
+            f"{type(base).__name__}; pass the model from FastModel.from_pretrained or get_peft_model."
+        )
+    extra = {name for name, _ in inner.named_children()} - _LLAMA_CHILDREN
+    if extra:
+        raise ValueError(
+            f"fastft.save_gguf: {type(inner).__name__} has submodules {sorted(extra)} that a Llama GGUF has no "
+            f"tensors for (expected only {sorted(_LLAMA_CHILDREN)}); export with FastModel.save_merged instead."
+        )
+    if len(inner.layers) != base.config.num_hidden_layers:
+        raise ValueError(
+            f"fastft.save_gguf: config.num_hidden_layers is {base.config.num_hidden_layers} but the model has "
+            f"{len(inner.layers)} decoder layers; a GGUF reader would take the config's count."
+        )
+    act = getattr(base.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"fastft.save_gguf: llama.cpp's Llama uses SiLU; this config has hidden_act={act!r}.")
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _model_stem(base: PreTrainedModel) -> str:
+    source = getattr(base.config, "name_or_path", "") or getattr(base, "name_or_path", "") or ""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(source)).name).strip("-.")
+    return stem or "model"
+
+
+def _output_file(path: str | Path, stem: str, quantization: str) -> Path:
+    target = Path(path)
+    if target.suffix.lower() == ".gguf" and not target.is_dir():
+        return target
+    return target / f"{stem}-{quantization.upper()}.gguf"
+
+
+def _rope(base: PreTrainedModel) -> tuple[float, str, dict[str, Any]]:
+    config = base.config
+    # transformers >= 5 keeps theta inside rope_parameters; 4.x has rope_theta and rope_scaling.
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise NotImplementedError(
+            f"fastft.save_gguf: rope_type {rope_type!r} is not supported (supported: default, linear, llama3); "
+            "save with FastModel.save_merged and convert with llama.cpp's convert_hf_to_gguf.py."
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("fastft.save_gguf: a partial rotary factor is not supported for Llama GGUF export.")
+    return theta, rope_type, params
+
+
+def _rope_frequency_factors(base: PreTrainedModel, theta: float, head_dim: int) -> torch.Tensor:
+    """llama.cpp's ``rope_freqs`` tensor: the divisor of each default rotary frequency.
+
+    Taken from the model's own rotary embedding (transformers already applied the Llama 3 scaling to its
+    ``inv_freq``), so it is exactly what the model computes with, not a second implementation of the formula.
+    """
+    inv_freq = base.model.rotary_emb.inv_freq.detach().float().cpu()
+    default = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if inv_freq.shape != default.shape:
+        raise ValueError(
+            f"fastft.save_gguf: the rotary embedding has {inv_freq.numel()} frequencies, expected head_dim / 2 = "
+            f"{default.numel()}."
+        )
+    return default / inv_freq
+
+
+def _interleave_rotary_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    # Within each head, transformers keeps the two rotated halves apart (rotate_half) and llama.cpp expects them
+    # as adjacent pairs; transformers' GGUF loader applies the inverse of this when it reads attn_q / attn_k.
+    rows = weight.shape[0]
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _merged_units(base: PreTrainedModel) -> list[tuple[str, torch.nn.Module]]:
+    inner = base.model
+    # The head comes right after the embeddings so that a tied pair can be compared and the embedding freed.
+    units = [("model.embed_tokens.", inner.embed_tokens), ("lm_head.", base.lm_head)]
+    units += [(f"model.layers.{index}.", layer) for index, layer in enumerate(inner.layers)]
+    units.append(("model.norm.", inner.norm))
+    return units
+
+
+def _gguf_tensors(base: PreTrainedModel, gguf: Any, progress: bool):
+    """Yield ``(gguf_name, float32 tensor)`` for every weight of the merged model, one merge unit at a time."""
+    from tqdm.auto import tqdm
+
+    config = base.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    units = _merged_units(base)
+    embedding: torch.Tensor | None = None
+    for prefix, unit in tqdm(units, desc="fastft: merging for GGUF", unit="module", disable=not progress):
+        with torch.no_grad():
+            # LoRA weights require grad; the merged tensors must not, or numpy refuses them.
+            merged = merged_state_dict(unit, torch.float32)
+        for key, tensor in merged.items():
+            hf_name = prefix + key
+            gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(
+                    f"fastft.save_gguf: the merged tensor {hf_name} {tuple(tensor.shape)} has no Llama GGUF name; "
+                    "export this model with FastModel.save_merged instead."
+                )
+            if ".attn_q." in gguf_name:
+                tensor = _interleave_rotary_rows(tensor, heads)
+            elif ".attn_k." in gguf_name:
+                tensor = _interleave_rotary_rows(tensor, kv_heads)
+            if gguf_name == "token_embd.weight":
+                embedding = tensor
+            elif gguf_name == "output.weight":
+                if tied and embedding is not None and torch.equal(tensor, embedding):
+                    embedding = None
+                    continue
+                if tied:
+                    # An adapter on the head or the embeddings unties them; keep both so neither update is lost.
+                    logger.info("fastft.save_gguf: the merged head differs from the embeddings; writing both.")
+                embedding = None
+            yield gguf_name, tensor
+
+
+def _tensor_type(gguf: Any, tensor: torch.Tensor, quantization: str, name: str) -> Any:
+    types = gguf.GGMLQuantizationType
+    if tensor.dim() == 1:
+        # Norm weights and biases stay float32 in every llama.cpp file type.
+        return types.F32
+    if quantization == "q8_0":
+        block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
+        if tensor.shape[-1] % block:
+            logger.warning(
+                "fastft.save_gguf: %s has rows of %d values, not a multiple of %d; stored as f16 instead of q8_0.",
+                name,
+                tensor.shape[-1],
+                block,
+            )
+            return types.F16
+        return types.Q8_0
+    return {"f16": types.F16, "bf16": types.BF16, "f32": types.F32}[quantization]
+
+
+def _encode(gguf: Any, rows: torch.Tensor, ggml_type: Any) -> np.ndarray:
+    """``rows`` [n, k] float32 as the bytes of ``ggml_type``, shape [n, bytes per row]."""
+    types = gguf.GGMLQuantizationType
+    if ggml_type == types.F32:
+        return rows.contiguous().numpy().view(np.uint8)
+    if ggml_type == types.F16:
+        return rows.to(torch.float16).numpy().view(np.uint8)
+    if ggml_type == types.BF16:
+        # torch rounds to nearest even, as ggml's own float32 -> bf16 conversion does.
+        return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+    return gguf.quants.quantize(rows.contiguous().numpy(), ggml_type)
+
+
+def _store(gguf: Any, name: str, tensor: torch.Tensor, ggml_type: Any, scratch: BinaryIO) -> _Stored:
+    if not torch.isfinite(tensor).all():
+        raise ValueError(
+            f"fastft.save_gguf: the merged tensor {name} holds NaN or inf values; the adapter (or the training run) "
+            "diverged. Check the model before exporting it."
+        )
+    if ggml_type == gguf.GGMLQuantizationType.F16 and tensor.abs().max().item() > _F16_MAX:
+        raise ValueError(
+            f"fastft.save_gguf: {name} has values beyond float16's range (|x| > {_F16_MAX:g}); export with "
+            "quantization='bf16' or 'f32'."
+        )
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+    step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    offset = scratch.tell()
+    row_bytes = 0
+    for start in range(0, rows.shape[0], step):
+        encoded = _encode(gguf, rows[start : start + step], ggml_type)
+        row_bytes = encoded.shape[-1]
+        scratch.write(encoded.tobytes())
+    nbytes = scratch.tell() - offset
+    return _Stored(name, ggml_type, (*tensor.shape[:-1], row_bytes), offset, nbytes)
+
+
+def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
+    """The llama.cpp pre-tokenizer name for a byte-level ``tokenizer.json`` pre_tokenizer section."""
+    if pre is None:
+        return "default"
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = steps[0].get("pattern", {}).get("Regex")
+        if pattern in _SPLIT_PRE_NAMES and str(steps[0].get("behavior", "")).lower() == "isolated":
+            return _SPLIT_PRE_NAMES[pattern]
+    logger.warning(
+        "fastft.save_gguf: the tokenizer's pre-tokenizer (%s) matches none llama.cpp is known to name; writing "
+        "'default'. transformers reloads the same vocabulary, but llama.cpp may split some text differently.",
+        json.dumps(pre)[:200],
+    )
+    return "default"
+
+
+def _has_byte_level(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    return any(_has_byte_level(step) for step in pre.get("pretokenizers", []) or [])
+
+
+def _adds(tokenizer: PreTrainedTokenizerBase, token_id: int | None, position: int) -> bool:
+    if token_id is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(plain) and with_special[position] == token_id
+
+
+def _write_tokenizer(writer: Any, gguf: Any, tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"fastft.save_gguf: expected a fast (tokenizers-backed) tokenizer, got {type(tokenizer).__name__}; load "
+            "it with AutoTokenizer.from_pretrained(..., use_fast=True)."
+        )
+    spec = json.loads(backend.to_str())
+    model_spec = spec.get("model", {})
+    if model_spec.get("type") != "BPE" or not _has_byte_level(spec.get("pre_tokenizer")):
+        raise ValueError(
+            f"fastft.save_gguf: only byte-level BPE tokenizers (GPT-2 / Llama 3 / SmolLM style) are exported; this "
+            f"one is a {model_spec.get('type')!r} model with pre-tokenizer "
+            f"{(spec.get('pre_tokenizer') or {}).get('type')!r} (a SentencePiece tokenizer, as Llama 2 and "
+            "TinyLlama use, is not supported yet). Save with FastModel.save_merged and convert with llama.cpp's "
+            "convert_hf_to_gguf.py."
+        )
+    vocab = backend.get_vocab(with_added_tokens=True)
+    largest = max(vocab.values())
+    if largest >= n_vocab:
+        raise ValueError(
+            f"fastft.save_gguf: the tokenizer has token id {largest} but the model's embedding has only {n_vocab} "
+            "rows; resize the embeddings (model.resize_token_embeddings(len(tokenizer))) before training and export."
+        )
+    token_type = gguf.TokenType
+    # Ids the tokenizer does not use (an embedding padded past the vocabulary) get placeholder tokens, as llama.cpp's
+    # converter writes them, so that the token count equals the embedding rows.
+    tokens = [f"[PAD{index}]" for index in range(n_vocab)]
+    types = [int(token_type.UNUSED)] * n_vocab
+    for token, index in vocab.items():
+        tokens[index] = token
+        types[index] = int(token_type.NORMAL)
+    for index, added in tokenizer.added_tokens_decoder.items():
+        if index < n_vocab:
+            types[index] = int(token_type.CONTROL if added.special else token_type.USER_DEFINED)
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model_spec.get("merges", [])]
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(spec.get("pre_tokenizer")))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    special = {
+        writer.add_bos_token_id: tokenizer.bos_token_id,
+        writer.add_eos_token_id: tokenizer.eos_token_id,
+        writer.add_unk_token_id: tokenizer.unk_token_id,
+        writer.add_pad_token_id: tokenizer.pad_token_id,
+    }
+    for add, token_id in special.items():
+        if token_id is not None:
+            add(int(token_id))
+    # Read off the tokenizer's behaviour rather than its flags, which not every tokenizer class sets.
+    writer.add_add_bos_token(_adds(tokenizer, tokenizer.bos_token_id, 0))
+    writer.add_add_eos_token(_adds(tokenizer, tokenizer.eos_token_id, -1))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        writer.add_chat_template([{"name": name, "template": text} for name, text in template.items()])
+    elif template:
+        writer.add_chat_template(template)
+    else:
+        logger.info("fastft.save_gguf: the tokenizer has no chat template; none is written.")
+
+
+def _write_model_metadata(writer: Any, gguf: Any, base: PreTrainedModel, stem: str, quantization: str) -> None:
+    config = base.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = _head_dim(config)
+    theta, rope_type, params = _rope(base)
+    file_types = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }
+    writer.add_type("model")
+    writer.add_name(stem)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(int(heads))
+    writer.add_head_count_kv(int(kv_heads))
+    writer.add_rope_dimension_count(int(head_dim))
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(base.model.embed_tokens.weight.shape[0]))
+    if head_dim * heads != config.hidden_size:
+        # llama.cpp assumes head_dim = hidden / heads unless told otherwise.
+        writer.add_key_length(int(head_dim))
+        writer.add_value_length(int(head_dim))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+    if rope_type != "default":
+        logger.warning(
+            "fastft.save_gguf: rope scaling %r is written for llama.cpp, but transformers' GGUF loader ignores it: "
+            "a model reloaded with from_pretrained(..., gguf_file=...) computes plain RoPE.",
+            rope_type,
+        )
+    writer.add_file_type(int(file_types[quantization]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def save_gguf(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | Path,
+    quantization: str = "f16",
+) -> Path:
+    """Merge the LoRA adapters and write one GGUF file. See ``FastModel.save_gguf``."""
+    gguf = _import_gguf()
+    if not isinstance(quantization, str) or quantization.lower() not in QUANTIZATIONS:
+        raise ValueError(f"fastft.save_gguf: quantization={quantization!r} is not one of {list(QUANTIZATIONS)}.")
+    quantization = quantization.lower()
+    if tokenizer is None:
+        raise ValueError(
+            "fastft.save_gguf: a tokenizer is required (a GGUF file carries its vocabulary); pass the tokenizer "
+            "from FastModel.from_pretrained."
+        )
+    base: PreTrainedModel = model.get_base_model() if isinstance(model, PeftModel) else model
+    _check_llama(base)
+    stem = _model_stem(base)
+    out = _output_file(path, stem, quantization)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    progress = _progress_bars_enabled()
+    logger.info("fastft.save_gguf: writing %s (%s)", out, quantization)
+
+    scratch_fd, scratch_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".scratch")
+    partial_fd, partial_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    os.close(partial_fd)
+    writer: gguf_types.GGUFWriter | None = None
+    data: np.memmap | None = None
+    try:
+        writer = gguf.GGUFWriter(partial_name, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        _write_model_metadata(writer, gguf, base, stem, quantization)
+        _write_tokenizer(writer, gguf, tokenizer, int(base.model.embed_tokens.weight.shape[0]))
+
+        stored: list[_Stored] = []
+        with os.fdopen(scratch_fd, "wb") as scratch:
+            scratch_fd = -1
+            theta, rope_type, _ = _rope(base)
+            if rope_type == "llama3":
+                factors = _rope_frequency_factors(base, theta, _head_dim(base.config))
+                stored.append(_store(gguf, "rope_freqs.weight", factors, gguf.GGMLQuantizationType.F32, scratch))
+            for name, tensor in _gguf_tensors(base, gguf, progress):
+                stored.append(_store(gguf, name, tensor, _tensor_type(gguf, tensor, quantization, name), scratch))
+        names = {entry.name for entry in stored}
+        required = {"token_embd.weight", "output_norm.weight"}
+        for block in range(base.config.num_hidden_layers):
+            for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up"):
+                required.add(f"blk.{block}.{part}.weight")
+            required.add(f"blk.{block}.ffn_down.weight")
+        missing = sorted(required - names)
+        if missing:
+            raise ValueError(
+                f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)})."
+            )
+
+        data = np.memmap(scratch_name, dtype=np.uint8, mode="r")
+        for entry in stored:
+            view = data[entry.offset : entry.offset + entry.nbytes].reshape(entry.byte_shape)
+            writer.add_tensor(entry.name, view, raw_dtype=entry.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=progress)
+        writer.close()
+        writer = None
+        with open(partial_name, "rb") as handle:
+            # On disk before the rename, so that a power loss cannot leave the final name on a truncated file.
+            os.fsync(handle.fileno())
+        os.replace(partial_name, out)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        Path(partial_name).unlink(missing_ok=True)
+        raise
+    finally:
+        if scratch_fd != -1:
+            os.close(scratch_fd)
+        del data
+        Path(scratch_name).unlink(missing_ok=True)
+    logger.info("fastft.save_gguf: wrote %s (%.1f MB)", out, out.stat().st_size / 1e6)
+    return out
