@@ -44,7 +44,6 @@ import argparse
 import gc
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import time
@@ -181,36 +180,23 @@ def lora_grads(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[float, 
     return loss.item(), grads
 
 
-def _vm_kib(field: str) -> int | None:
-    status = Path("/proc/self/status")
-    if not status.exists():
-        return None
-    for line in status.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return None
-
-
 def rss_probe(name: str, folder: str, max_seq_length: int, batch: int, seq: int) -> dict[str, Any]:
     """In this (fresh) process: build ``name``, reset the RSS high-water mark, run one step, read the peak."""
+    from fastft.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
+
     model = build_system(name, folder, max_seq_length)
     randomize_lora_b(model, SEED + 1)
     input_ids = _input_ids(model, batch, seq)
     gc.collect()
-    loaded = _vm_kib("VmRSS")
-    try:
-        # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0), so loading's peak is forgotten.
-        Path("/proc/self/clear_refs").write_text("5")
-        reset = True
-    except OSError:
-        reset = False
+    loaded = resident_bytes()
+    # Loading's peak is forgotten where the kernel allows it; the record says whether it did.
+    reset = reset_peak_rss()
     make_step(model, input_ids)()
-    # ru_maxrss is KiB on Linux; it cannot be reset, so it is only the fallback.
-    peak = _vm_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_bytes()
     return {
-        "rss_after_load_bytes": loaded * 1024 if loaded is not None else None,
-        "peak_rss_bytes": peak * 1024,
-        "step_rss_bytes": (peak - loaded) * 1024 if loaded is not None else None,
+        "rss_after_load_bytes": loaded,
+        "peak_rss_bytes": peak,
+        "step_rss_bytes": peak - loaded if loaded is not None else None,
         "high_water_mark_reset": reset,
     }
 
