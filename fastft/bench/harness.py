@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,6 @@ class Options:
     timeout_s: int = 1800
     plot: bool = True
     readme: Path | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def repository_root() -> Path | None:
@@ -70,7 +69,6 @@ def _worker_env(options: Options) -> dict[str, str]:
     # A benchmark never measures Triton's interpreter (the test suite turns it on for itself).
     env.pop("TRITON_INTERPRET", None)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.update(options.extra_env)
     return env
 
 
@@ -163,7 +161,7 @@ def run(options: Options) -> dict[str, Any]:
     """Run the benchmark ``options`` describe; returns the record written to JSON.
 
     Raises:
-        BenchError: No CUDA device for ``--device cuda``, or nothing to run.
+        BenchError: No CUDA device for ``--device cuda``.
     """
     import torch
 

@@ -51,7 +51,7 @@ def _load(name: str) -> Any:
     return module
 
 
-def _quantization(torch: Any, dtype: Any) -> Any:
+def _quantization(dtype: Any) -> Any:
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
@@ -115,7 +115,7 @@ def build(spec: dict[str, Any]) -> Any:
             dtype=dtype,
             attn_implementation="sdpa",
             device_map=device_map,
-            quantization_config=_quantization(torch, dtype) if nf4 else None,
+            quantization_config=_quantization(dtype) if nf4 else None,
         )
         if system in ("transformers+peft+gc", "liger"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
