@@ -28,7 +28,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-steps", type=int, help="optimizer steps (<= 0: run --epochs instead)")
     parser.add_argument("--epochs", type=float, help="epochs, when --max-steps <= 0")
     parser.add_argument("--lr", type=float, help="peak learning rate")
-    parser.add_argument("--r", type=int, help="LoRA rank")
+    # --lora-r also works after torchrun, whose own option parser reads a bare --r as an abbreviation of its options.
+    parser.add_argument("--r", "--lora-r", dest="r", type=int, help="LoRA rank")
     parser.add_argument("--lora-alpha", type=int, help="LoRA alpha")
     parser.add_argument("--lora-dropout", type=float, help="LoRA dropout")
     parser.add_argument("--seq-len", type=int, help="max sequence length (tokens)")
@@ -48,6 +49,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from fastft.distributed import is_main_process
     from fastft.train import TrainOptions, run
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainOptions)}
@@ -59,6 +61,8 @@ def _train(args: argparse.Namespace) -> int:
         # Bad paths are the user's to fix; a traceback would only bury the message.
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if not is_main_process():
+        return 0 if metrics["completed"] else 130
     if not metrics["completed"]:
         print(
             f"fastft train: stopped at step {metrics['global_step']}; checkpoint saved. "
@@ -159,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     sub.add_parser("doctor", help="show versions, device and the patch report")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Under torchrun every process runs this; rank 0 speaks for all of them unless something goes wrong.
+    from fastft.distributed import is_main_process
+
+    level = logging.INFO if is_main_process() else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "train":
         return _train(args)
     if args.command == "bench":

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastft import checkpoint
+from fastft import checkpoint, distributed
 from fastft.contracts import (
     check_adapter_tensors,
     check_config,
@@ -72,13 +72,6 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fastft: dtype={dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16.")
     return dtype
-
-
-def _device_map() -> dict[str, int] | None:
-    # Under torchrun / accelerate each process owns the GPU of its local rank.
-    if not torch.cuda.is_available():
-        return None
-    return {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}
 
 
 def _quantization_config(dtype: torch.dtype) -> Any:
@@ -162,10 +155,11 @@ def _adapter_tensors(adapter_path: str | Path, hub_kwargs: dict[str, Any]) -> di
 
 def _check_base(model: torch.nn.Module) -> None:
     # Every entry point that receives a base model: projections against the config, 4-bit weights with their
-    # quant_state, and the per-forward 4-bit guards (adding them again is a no-op).
+    # quant_state, the per-forward 4-bit guards and the nn.DataParallel refusal (adding them again is a no-op).
     check_projections(model)
     check_quant_states(model)
     guard_4bit(model)
+    distributed.guard_data_parallel(_base_model(model))
 
 
 class FastModel:
@@ -183,6 +177,9 @@ class FastModel:
         **hf_kwargs: Any,
     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         """Load a causal LM and its tokenizer, ready for ``get_peft_model``.
+
+        On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
+        ``accelerate launch`` (one process per GPU, see :mod:`fastft.distributed`), else the current one.
 
         Args:
             model_name: A hub id, a local folder, or ``"smollm2-135m"`` (the embedded SmolLM2-135M-Instruct
@@ -242,7 +239,7 @@ class FastModel:
                 )
                 return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
         check_config(_config_before_loading(source, hf_kwargs), source=source)
-        load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": _device_map()}
+        load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
         if load_in_4bit:
             load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
         load_kwargs.update(hf_kwargs)

@@ -14,6 +14,7 @@ import torch
 from trl import SFTTrainer
 
 from fastft.data import load_rows, to_sft_rows
+from fastft.distributed import launch
 from fastft.environment import package_versions
 from fastft.model import FastModel, resolve_dtype
 from fastft.plot import plot_loss
@@ -107,6 +108,9 @@ def _check_output(options: TrainOptions) -> str | None:
 def run(options: TrainOptions) -> dict:
     """Fine-tune, write the adapter, ``metrics.json`` and ``loss.png`` into ``options.output``.
 
+    Under torchrun / ``accelerate launch`` every process trains (DDP, ``batch_size`` examples each per step) and only
+    rank 0 writes files; every process returns the metrics.
+
     Args:
         options: The run's settings.
 
@@ -114,10 +118,12 @@ def run(options: TrainOptions) -> dict:
         The metrics written to ``metrics.json``; ``metrics["completed"]`` is ``False`` when a signal stopped
         the run early (a checkpoint was saved; rerun with ``resume=True``).
     """
+    job = launch()
     resume_from = _check_output(options)
     rows = load_rows(options.data)  # a bad --data fails here, before model loading and before --output exists
     output = Path(options.output)
-    output.mkdir(parents=True, exist_ok=True)
+    if job.is_main:
+        output.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(options.dtype)
     model, tokenizer = FastModel.from_pretrained(
         options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
@@ -168,6 +174,7 @@ def run(options: TrainOptions) -> dict:
         "options": asdict(options),
         "dtype": str(dtype).removeprefix("torch."),
         "device": device_name(),
+        "processes": job.world_size,
         "versions": versions(),
     }
     if trainer.is_world_process_zero():

@@ -11,6 +11,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from trl import SFTConfig
 
+from fastft.distributed import one_gpu_per_process
+
 logger = logging.getLogger(__name__)
 
 
@@ -18,7 +20,9 @@ def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides
     """An ``SFTConfig`` that fits a fastft model.
 
     Mixed precision follows the model's dtype (trl would otherwise turn bf16 autocast on, even on CPU), and
-    checkpointing is left to the mode chosen in ``FastModel.get_peft_model``.
+    checkpointing is left to the mode chosen in ``FastModel.get_peft_model``. Under torchrun / ``accelerate launch``
+    Trainer trains with DDP, on CPU too (gloo); a single process that sees several GPUs trains on one of them
+    (:func:`fastft.distributed.one_gpu_per_process`) instead of falling back to ``nn.DataParallel``.
 
     Args:
         output_dir: Where checkpoints go.
@@ -33,6 +37,9 @@ def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides
     settings: dict[str, Any] = {
         "output_dir": output_dir,
         "max_length": max_length,
+        # Without use_cpu, accelerate treats a CPU process launched by torchrun as not distributed: every rank would
+        # train on all the data alone.
+        "use_cpu": not on_gpu,
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16 and on_gpu,
         "report_to": "none",
@@ -41,12 +48,15 @@ def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides
         "dataloader_num_workers": 0,
         "dataloader_pin_memory": on_gpu,
         "disable_tqdm": False,
+        # Every LoRA weight takes part in every forward; DDP's search for unused ones would cost a graph traversal
+        # per step.
+        "ddp_find_unused_parameters": False,
     }
     # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing; trl defaults it to on.
     names = {field.name for field in dataclasses.fields(SFTConfig)}
     settings["activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"] = False
     settings.update(overrides)
-    return SFTConfig(**settings)
+    return one_gpu_per_process(SFTConfig(**settings))
 
 
 class StopOnSignal(TrainerCallback):

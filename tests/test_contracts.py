@@ -17,6 +17,7 @@ from fastft.contracts import (
     check_projections,
     guard_max_seq_length,
 )
+from fastft.distributed import DataParallelRefused
 
 pytestmark = pytest.mark.lane
 
@@ -171,14 +172,18 @@ def test_data_parallel_replication_of_4bit_refused(tiny_llama_dir):
     # torch.nn.parallel.replicate (nn.DataParallel's forward on several GPUs) needs CUDA for the parameter broadcast
     # it does first; it then calls _replicate_for_data_parallel() on every module of network.modules(), in order.
     # That second step is the one fastft overrides, so calling it the same way runs the code DataParallel would.
-    with pytest.raises(ShapeContractError, match=r"model\.layers\.0\.self_attn\.q_proj: nn\.DataParallel .*torchrun"):
+    # The transformers model refuses first, for any fastft model (fastft.distributed, tests/test_distributed.py)...
+    with pytest.raises(DataParallelRefused, match=r"LlamaForCausalLM onto .*torchrun"):
         for module in model.modules():
             module._replicate_for_data_parallel()
+    # ...and every 4-bit layer refuses too, naming itself, should a copy of it reach replication on its own.
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    with pytest.raises(ShapeContractError, match=r"model\.layers\.0\.self_attn\.q_proj: nn\.DataParallel .*torchrun"):
+        q_proj._replicate_for_data_parallel()
     assert model.get_base_model().model.embed_tokens._replicate_for_data_parallel() is not None
 
     # Were a replica made anyway, it would share the quant_state hook: replicate() copies the module's __dict__
     # (hooks included) and sets the broadcast parameters, plain tensors without quant_state, on the replica.
-    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
     replica = torch.nn.Module._replicate_for_data_parallel(q_proj)
     replica._parameters["weight"] = q_proj.weight.data.clone()
     with pytest.raises(ShapeContractError, match=r"model\.layers\.0\.self_attn\.q_proj: .*no quant_state"):

@@ -38,9 +38,10 @@ def _lost_quant_state_message(name: str, module: torch.nn.Module) -> str:
         f"{name}: expected a 4-bit weight for [out, in] = [{module.out_features}, {module.in_features}] carrying its "
         f"bitsandbytes quant_state, got a {type(weight).__name__} of packed {weight.dtype} bytes "
         f"{list(weight.shape)} with no quant_state, which cannot be used as a weight. Rebuilding the parameter "
-        "(module.weight = torch.nn.Parameter(module.weight.data), p.detach(), nn.DataParallel replication) drops it: "
-        "keep the original Params4bit, reload with FastModel.from_pretrained(..., load_in_4bit=True), and for "
-        f"several GPUs: {_DDP_FIX}"
+        "(module.weight = torch.nn.Parameter(module.weight.data), p.detach(), nn.DataParallel replication, FSDP "
+        "sharding) drops it: keep the original Params4bit, reload with FastModel.from_pretrained(..., "
+        "load_in_4bit=True); FSDP needs a 16-bit base (load_in_4bit=False), and for a 4-bit base on several GPUs: "
+        f"{_DDP_FIX}"
     )
 
 
