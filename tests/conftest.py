@@ -142,3 +142,13 @@ def _require_interpreter_loops() -> None:
             f"the CPU kernel tests run Triton's interpreter, which needs triton >= 3.9 (installed: "
             f"{triton.__version__}); run pip install -U 'triton>=3.9' (GPU runs compile the kernels and accept 3.6)"
         )
+
+
+def lora_weights(model) -> dict[str, torch.Tensor]:
+    """Every LoRA weight of ``model``, whole (an FSDP2-sharded one is gathered), copied to CPU."""
+    weights = {}
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+            weights[name] = full.detach().cpu().clone().contiguous()
+    return weights

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import lora_weights
 from datasets import Dataset
 from safetensors.torch import save_file
 from trl import SFTTrainer
@@ -24,10 +25,6 @@ from fastft.checkpoint import get_mode
 from fastft.trl import sft_config
 
 STEPS, LENGTH, ROWS = 3, 24, 16
-
-
-def lora_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().clone().contiguous() for name, p in model.named_parameters() if "lora_" in name}
 
 
 def main() -> None:

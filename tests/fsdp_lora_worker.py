@@ -15,20 +15,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from conftest import lora_weights
 from safetensors.torch import save_file
 
 from fastft import FastModel
 
 STEPS, GLOBAL_BATCH, LENGTH = 3, 4, 24
-
-
-def lora_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    weights = {}
-    for name, parameter in model.named_parameters():
-        if "lora_" in name:
-            full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
-            weights[name] = full.detach().cpu().clone().contiguous()
-    return weights
 
 
 def main() -> None:
