@@ -161,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _bench_parser(sub)
-    sub.add_parser("doctor", help="show versions, device and the patch report")
+    doctor = sub.add_parser("doctor", help="show versions, device and the patch report")
+    doctor.add_argument(
+        "--compile",
+        action="store_true",
+        help="also compile every Triton kernel for sm_75/80/86/89/90 (no GPU needed; a few minutes) and check "
+        "spills, shared memory and tensor-core use: python -m fastft.kernels.compile_check",
+    )
+    doctor.add_argument("--output", type=Path, default=None, help="with --compile: the JSON file to write")
     args = parser.parse_args(argv)
     # Under torchrun every process runs this; rank 0 speaks for all of them unless something goes wrong.
     from fastft.distributed import is_main_process
@@ -175,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     from fastft.doctor import report
 
     print(report())
+    if args.compile:
+        from fastft.kernels import compile_check
+
+        print("\nstatic GPU check (python -m fastft.kernels.compile_check):")
+        return compile_check.main(["--output", str(args.output or Path("compile.json"))])
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -34,6 +35,25 @@ def _with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
 
 
+def _train_step(model: torch.nn.Module) -> str:
+    """One forward and backward with labels, on the GPU in its training dtype if there is one; the device's name."""
+    from fastft.model import resolve_dtype
+
+    if torch.cuda.is_available():
+        model.to(device="cuda", dtype=resolve_dtype(None))
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.data = parameter.data.float()
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    model.train()
+    autocast = torch.autocast("cuda", dtype=resolve_dtype(None)) if device.type == "cuda" else contextlib.nullcontext()
+    with autocast:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return device_name() if device.type == "cuda" else "cpu"
+
+
 def kernel_path() -> str:
     """Which implementation fastft's kernels take on this machine's default device, and why."""
     from fastft.kernels import dispatch
@@ -55,8 +75,12 @@ def report() -> str:
         lines.append(f"  {name:<13} {version or 'not installed'}")
     lines += ["", f"  device        {device_name()}"]
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        lines.append(f"  capability    sm_{major}{minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+        from fastft.kernels import targets
+
+        capability = targets.capability(0)
+        # is_bf16_supported() says yes on a T4 (it emulates bf16); tensor cores for bf16 start at 8.0.
+        bf16 = "yes" if capability >= 80 else "no (emulated only below compute capability 8.0: fp16 is used)"
+        lines.append(f"  capability    sm_{capability}, bf16 {bf16}")
     lines.append(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
     lines.append(f"  kernels       {kernel_path()}")
     lines += ["", "patch report (tiny Llama, 4 heads / 2 kv heads, LoRA r=8 on the seven projections):"]
@@ -66,8 +90,12 @@ def report() -> str:
         model = tiny_llama()
         apply_patches(model, strict=False)
         # With LoRA, as a user trains: a bare model's trainable base weights would send every layer to the stock path.
-        rows = patch_report(_with_lora(model))
+        model = _with_lora(model)
+        # One step, so that every fused group has chosen its GEMM (tuned on first use on a GPU) for the report.
+        device = _train_step(model)
+        rows = patch_report(model)
     lines.append(format_report(rows))
+    lines.append(f"  (GEMM paths from one LoRA forward and backward of the tiny Llama on {device})")
     lines += ["", "registered patches and the versions each record was tested against:"]
     for name, group in records().items():
         for record in group:

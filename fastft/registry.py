@@ -60,6 +60,8 @@ class PatchRecord:
         replacement: What the patch puts in place (e.g. the module subclass), for reports and tests.
         fallbacks: Given the model, the patched places that currently run the stock path instead (a layer name to
             the reason), for patches that decide per layer; None for all-or-nothing patches.
+        gemm_groups: The fused LoRA projection groups the patch runs (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``),
+            whose base GEMM :mod:`fastft.kernels.gemm_tuner` places on cuBLAS or Triton; the report shows each choice.
     """
 
     name: str
@@ -70,6 +72,7 @@ class PatchRecord:
     apply: Callable[[torch.nn.Module], int]
     replacement: Any = None
     fallbacks: Callable[[torch.nn.Module], dict[str, str]] | None = None
+    gemm_groups: tuple[str, ...] = ()
     specifiers: Mapping[str, SpecifierSet] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -314,8 +317,19 @@ def _with_fallbacks(model: torch.nn.Module, report: list[dict]) -> list[dict]:
         index = applied.get(row["name"])
         record = None if index is None else records()[row["name"]][index]
         fallbacks = record.fallbacks(model) if record is not None and record.fallbacks is not None else {}
-        rows.append({**row, "fallbacks": fallbacks})
+        rows.append({**row, "fallbacks": fallbacks, "gemm": _gemm_paths(record)})
     return rows
+
+
+def _gemm_paths(record: PatchRecord | None) -> dict[str, str]:
+    """Per fused group of an applied patch, the GEMM it ran last in this process, or what it will run."""
+    if record is None or not record.gemm_groups:
+        return {}
+    from fastft.kernels import gemm_tuner
+
+    made = gemm_tuner.by_group()
+    pending = f"not run yet; {gemm_tuner.policy()}"
+    return {group: made.get(group, pending) for group in record.gemm_groups}
 
 
 def patch_report(model: torch.nn.Module) -> list[dict]:
@@ -328,9 +342,11 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
         One dict per registered patch with keys ``name``, ``status`` (``"applied"``, ``"skipped"``,
         ``"not applicable"`` or ``"disabled"``), ``reason`` (why it was skipped or does not apply), ``target``
         (the upstream object it stands in for), ``tested`` (the version ranges of the record used, or of every
-        record when none matched), ``modules`` (how many modules it changed) and ``fallbacks`` (for per-layer
+        record when none matched), ``modules`` (how many modules it changed), ``fallbacks`` (for per-layer
         patches: each patched layer that runs the stock path as the model stands now, with the reason, e.g.
-        ``{"model.layers.0.mlp": "gate_proj: lora_dropout p=0.1 (fused only without dropout)"}``).
+        ``{"model.layers.0.mlp": "gate_proj: lora_dropout p=0.1 (fused only without dropout)"}``) and ``gemm``
+        (for the attention and MLP patches: per fused group, the base GEMM it ran last in this process, cuBLAS or
+        Triton, and why; e.g. ``{"qkv": "cublas (compute capability 7.5 < 8.0: ...)"}``).
 
     Raises:
         ValueError: ``model`` did not come through ``FastModel``.
@@ -353,4 +369,6 @@ def format_report(report: list[dict]) -> str:
         lines.append(f"  {row['name']:<22} {row['status']:<15} {detail}".rstrip())
         for layer, reason in row.get("fallbacks", {}).items():
             lines.append(f"    stock path: {layer}: {reason}")
+        for group, path in row.get("gemm", {}).items():
+            lines.append(f"    GEMM {group}: {path}")
     return "\n".join(lines)

@@ -210,7 +210,8 @@ def _validate(
     # Labels may live elsewhere (model parallel, a collator on the CPU); transformers moves them too.
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
     bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
-    if bool(bad.any()):
+    # Meta tensors (the static compile check) have shapes but no values to check.
+    if not flat_labels.is_meta and bool(bad.any()):
         offending = flat_labels[bad]
         raise ShapeContractError(
             f"{name}: labels must lie in [0, {vocab}) (the rows of weight [{vocab}, {width}]) or equal ignore_index="

@@ -1,9 +1,11 @@
 """Which implementation a kernel call takes, and the output allocator every kernel shares.
 
-CUDA tensors take the Triton kernels. CPU tensors take the plain-torch reference, unless the Triton interpreter
-was on (``TRITON_INTERPRET=1``) when this package was imported: then they take the Triton kernels too, run by the
-interpreter, which is how CI checks the kernels on a machine without a GPU. ``FASTFT_DISABLE_TRITON=1`` sends every
-call to the reference path, a switch for telling a kernel bug from an upstream one.
+CUDA tensors take the Triton kernels (and ``meta`` tensors inside :func:`fastft.kernels.targets.simulate`, which is
+how the static compile check walks the CUDA launch code without a GPU). CPU tensors take the plain-torch reference,
+unless the Triton interpreter was on (``TRITON_INTERPRET=1``) when this package was imported: then they take the
+Triton kernels too, run by the interpreter, which is how CI checks the kernels on a machine without a GPU.
+``FASTFT_DISABLE_TRITON=1`` sends every call to the reference path, a switch for telling a kernel bug from an upstream
+one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
+
+from fastft.kernels import targets
 
 try:
     import triton
@@ -57,6 +61,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if not HAS_TRITON or _forced_reference():
         return False
     if tensor.is_cuda:
+        return True
+    if tensor.is_meta and targets.simulated() is not None:
+        # The static compile check runs the CUDA launch code on meta tensors for a simulated target.
         return True
     return INTERPRETED and tensor.device.type == "cpu"
 

@@ -20,15 +20,20 @@ TF32 for matmuls; fp16 / bf16 operands accumulate in fp32 and are rounded once a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.gemm_configs import GemmConfig
 
 
-@triton.jit(do_not_specialize=["M", "K", "n0", "n1", "n2", "r0", "r1", "r2"])
+# K and the widths stay specialised: Triton then knows that K (the W row stride) and n (the output row stride) are
+# multiples of 16, and only aligned loads can become asynchronous copies (cp.async), which the software pipeline
+# needs. M (tokens) changes every batch and only bounds masks; the ranks only index the small epilogue loads.
+@triton.jit(do_not_specialize=["M", "r0", "r1", "r2"])
 def _lora_gemm_kernel(
     x_ptr,
     xa_ptr,
@@ -163,35 +168,35 @@ def segment_arguments(
     }
 
 
-def launch_settings(x: torch.Tensor, xa: torch.Tensor | None, ranks: Sequence[int], widths: Sequence[int]) -> dict:
-    """Grid, block sizes and flags shared by the three-segment kernels."""
-    block_m, block_n, block_k, num_warps, num_stages = block_sizes(x)
+def launch_settings(
+    x: torch.Tensor, xa: torch.Tensor | None, ranks: Sequence[int], widths: Sequence[int], config: GemmConfig
+) -> dict:
+    """Grid, block sizes and flags shared by the three-segment kernels, for one configuration."""
     has_lora = xa is not None and sum(ranks) > 0
     return {
-        "grid": (triton.cdiv(x.shape[0], block_m), sum(triton.cdiv(width, block_n) for width in widths)),
+        "grid": (triton.cdiv(x.shape[0], config.block_m), sum(triton.cdiv(w, config.block_n) for w in widths)),
         "xa": xa if has_lora else x,
         "meta": {
             "HAS_LORA": has_lora,
             # None: triton's default for 16-bit operands.
             "PRECISION": "ieee" if x.dtype == torch.float32 else None,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
             "BLOCK_R": max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16,
-            "num_warps": num_warps,
-            "num_stages": num_stages,
+            **config.meta(),
         },
     }
 
 
-def block_sizes(x: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this device and dtype."""
-    if dispatch.INTERPRETED and not x.is_cuda:
-        # The interpreter pays per program and per loop step in Python; 16 is tl.dot's smallest tile.
-        return 32, 32, 32, 1, 1
-    if x.dtype == torch.float32:
-        return 64, 64, 32, 4, 3
-    return 128, 128, 64, 8, 3
+_launched = threading.local()
+
+
+def remember(kernel) -> None:
+    """Keep the compiled kernel a launch returned: the tuner checks its resources before timing it."""
+    _launched.kernel = kernel
+
+
+def last_kernel():
+    """The compiled kernel of this thread's last fused LoRA GEMM launch (a triton ``CompiledKernel``), or None."""
+    return getattr(_launched, "kernel", None)
 
 
 def lora_gemm_triton(
@@ -200,6 +205,7 @@ def lora_gemm_triton(
     xa: torch.Tensor | None,
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
+    config: GemmConfig,
 ) -> list[torch.Tensor]:
     """Launch the kernel: ``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ for each segment]``.
 
@@ -209,6 +215,7 @@ def lora_gemm_triton(
         xa: [M, Σ r_i] in x's dtype (columns contiguous), or None when no segment has LoRA.
         lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None for a segment without LoRA.
         scales: Per segment LoRA scale.
+        config: Tile sizes, warps and stages (:mod:`fastft.kernels.gemm_configs`).
 
     Returns:
         One new contiguous [M, N_i] tensor per segment, in x's dtype.
@@ -220,9 +227,9 @@ def lora_gemm_triton(
     if k == 0:
         return [out.zero_() for out in outputs]
     slots = segment_arguments(x, outputs, lora_b, scales)
-    launch = launch_settings(x, xa, slots["r"], slots["n"])
+    launch = launch_settings(x, xa, slots["r"], slots["n"], config)
     w = [*weights, *[weights[0]] * (3 - len(weights))]
-    _lora_gemm_kernel[launch["grid"]](
+    kernel = _lora_gemm_kernel[launch["grid"]](
         x,
         launch["xa"],
         *w,
@@ -237,6 +244,7 @@ def lora_gemm_triton(
         launch["xa"].stride(0),
         **launch["meta"],
     )
+    remember(kernel)
     return outputs
 
 
@@ -261,26 +269,13 @@ def lora_gemm_reference(
     return outputs
 
 
-def lora_gemm(
-    x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    xa: torch.Tensor | None,
-    lora_b: Sequence[torch.Tensor | None],
-    scales: Sequence[float],
-) -> list[torch.Tensor]:
-    """The fused projection GEMM on the path :func:`fastft.kernels.dispatch.use_triton` picks (no autograd)."""
-    if dispatch.use_triton(x):
-        return lora_gemm_triton(x, weights, xa, lora_b, scales)
-    return lora_gemm_reference(x, weights, xa, lora_b, scales)
-
-
 __all__ = [
     "add_lora_term",
-    "block_sizes",
+    "last_kernel",
     "launch_settings",
-    "lora_gemm",
     "lora_gemm_reference",
     "lora_gemm_triton",
+    "remember",
     "segment_arguments",
     "store_tile",
 ]

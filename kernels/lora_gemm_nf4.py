@@ -22,11 +22,13 @@ import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
-from fastft.kernels.lora_gemm import add_lora_term, launch_settings, segment_arguments, store_tile
+from fastft.kernels.gemm_configs import GemmConfig
+from fastft.kernels.lora_gemm import add_lora_term, launch_settings, remember, segment_arguments, store_tile
 from fastft.kernels.nf4 import _block_absmax_reference, _nf4_table, _resolve
 
 
-@triton.jit(do_not_specialize=["M", "K", "n0", "n1", "n2", "r0", "r1", "r2", "bs0", "bs1", "bs2"])
+# K and the widths specialised as in the 16-bit kernel (aligned X loads and output stores); see lora_gemm.py.
+@triton.jit(do_not_specialize=["M", "r0", "r1", "r2", "bs0", "bs1", "bs2"])
 def _lora_gemm_nf4_kernel(
     x_ptr,
     xa_ptr,
@@ -61,6 +63,7 @@ def _lora_gemm_nf4_kernel(
     stride_xam,
     HAS_LORA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALE_PER_COLUMN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,9 +101,14 @@ def _lora_gemm_nf4_kernel(
         element = col_start + k_idx.to(tl.int64)[:, None]
         packed = tl.load(q_ptr + element // 2, mask=w_ok, other=0).to(tl.int32)
         code = tl.where(element % 2 == 0, packed >> 4, packed & 0xF)
-        value = tl.load(table_ptr + code, mask=w_ok, other=0.0) * tl.load(
-            absmax_ptr + element // blocksize, mask=w_ok, other=0.0
-        )
+        if SCALE_PER_COLUMN:
+            # The tile's K range lies inside one quantisation block of each column: one scale per column instead
+            # of one per element, which would be a [BLOCK_K, BLOCK_N] fp32 tile in shared memory per stage.
+            block_scale = tl.load(absmax_ptr + (cols.to(tl.int64) * K + k0) // blocksize, mask=col_ok, other=0.0)
+            absmax = block_scale[None, :]
+        else:
+            absmax = tl.load(absmax_ptr + element // blocksize, mask=w_ok, other=0.0)
+        value = tl.load(table_ptr + code, mask=w_ok, other=0.0) * absmax
         acc = tl.dot(x, value.to(x_ptr.dtype.element_ty), acc, input_precision=PRECISION)
 
     if HAS_LORA:
@@ -117,6 +125,7 @@ def lora_gemm_nf4_triton(
     xa: torch.Tensor | None,
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
+    config: GemmConfig,
 ) -> list[torch.Tensor]:
     """``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ]`` for one to three NF4 weights ``W_i``, decoded inside the GEMM.
 
@@ -127,6 +136,7 @@ def lora_gemm_nf4_triton(
         xa: [M, Σ r_i] in x's dtype, or None when no segment has LoRA.
         lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None.
         scales: Per segment LoRA scale.
+        config: Tile sizes, warps and stages (:mod:`fastft.kernels.gemm_configs`).
 
     Returns:
         One new contiguous [M, N_i] tensor per segment, in x's dtype.
@@ -139,12 +149,14 @@ def lora_gemm_nf4_triton(
     if k == 0:
         return [out.zero_() for out in outputs]
     slots = segment_arguments(x, outputs, lora_b, scales)
-    launch = launch_settings(x, xa, slots["r"], slots["n"])
+    launch = launch_settings(x, xa, slots["r"], slots["n"], config)
     pad = 3 - len(resolved)
     quant = [r.bytes.contiguous() for r in resolved]
     absmax = [_block_absmax_reference(r).contiguous() for r in resolved]
     blocksizes = [int(r.quant_state.blocksize) for r in resolved]
-    _lora_gemm_nf4_kernel[launch["grid"]](
+    # Every row starts a block and every K tile stays inside one (true for the models' widths, multiples of 64).
+    per_column = all(k % size == 0 and size % config.block_k == 0 for size in blocksizes)
+    kernel = _lora_gemm_nf4_kernel[launch["grid"]](
         x,
         launch["xa"],
         _nf4_table(x.device),
@@ -163,8 +175,10 @@ def lora_gemm_nf4_triton(
         *slots["s"],
         x.stride(0),
         launch["xa"].stride(0),
+        SCALE_PER_COLUMN=per_column,
         **launch["meta"],
     )
+    remember(kernel)
     return outputs
 
 

@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
     LoRAWeights,
+    autocast_off,
     check_group,
     compute_dtype,
     function_inputs,
@@ -36,9 +37,9 @@ class LoRAMLPFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, projections: tuple[LoRAWeights, ...], *tensors: Any) -> torch.Tensor:
         gate, up, down = rebuild(projections, tensors)
         x2d = x.reshape(-1, x.shape[-1])
-        (gate_out, up_out), xa_gate_up = group_forward(x2d, [gate, up])
+        (gate_out, up_out), xa_gate_up = group_forward(x2d, [gate, up], "gate_up")
         hidden = swiglu_forward(gate_out, up_out)
-        (out,), xa_down = group_forward(hidden, [down])
+        (out,), xa_down = group_forward(hidden, [down], "down")
         ctx.x_shape = x.shape
         ctx.scales = [float(p.scale) for p in (gate, up, down)]
         ctx.quant_states = [quant_state_of(p) for p in (gate, up, down)]
@@ -118,7 +119,7 @@ def lora_mlp(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeig
     )
     dtype = compute_dtype(x)
     projections = (gate, up, down)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x):
         return LoRAMLPFunction.apply(x.to(dtype), projections, *function_inputs(projections))
 
 

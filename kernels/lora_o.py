@@ -13,6 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.kernels.lora_projection import (
     LoRAWeights,
+    autocast_off,
     check_group,
     compute_dtype,
     function_inputs,
@@ -31,7 +32,7 @@ class LoRAOFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, projections: tuple[LoRAWeights, ...], *tensors: Any) -> torch.Tensor:
         projections = rebuild(projections, tensors)
         x2d = x.reshape(-1, x.shape[-1])
-        (out,), xa = group_forward(x2d, projections)
+        (out,), xa = group_forward(x2d, projections, "o")
         save_group(ctx, x, x2d, xa, projections)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -63,7 +64,7 @@ def lora_o(x: torch.Tensor, o: LoRAWeights) -> torch.Tensor:
     projections = (o,)
     check_group("lora_o", ("o_proj",), x, projections)
     dtype = compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x):
         return LoRAOFunction.apply(x.to(dtype), projections, *function_inputs(projections))
 
 

@@ -8,31 +8,35 @@ For a frozen base weight ``W [out, in]``, LoRA ``A [r, in]``, ``B [out, r]`` and
     dB = s dYᵀ (X Aᵀ)
 
 A group is one to three projections of the same ``X`` (q, k, v; gate, up; o; down). Forward runs one small GEMM for
-every segment's ``X Aᵀ`` at once (the A's stacked), then :func:`fastft.kernels.lora_gemm.lora_gemm`. Backward adds
+every segment's ``X Aᵀ`` at once (the A's stacked), then the base GEMM with the LoRA term, on torch's matmul (cuBLAS)
+or the fused Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever :mod:`fastft.kernels.gemm_tuner` picks for
+the device and shape. Backward adds
 every segment's ``dY W`` into one ``dX`` buffer (``addmm_``), then the low-rank part of all segments in one more
 ``addmm_`` against the stacked A's. Only ``X`` and the small ``X Aᵀ`` are kept for backward, never ``Y``.
 
 An NF4 base (bitsandbytes ``Params4bit``) is dequantised, for forward and again for backward, into one buffer per
 device and dtype that every layer reuses: the segments' rows side by side, so the dense weights cost one layer's
 q | k | v (or gate | up) at a time instead of a copy per layer. Kernels on one CUDA stream run in order, so the
-next layer's dequantisation cannot overwrite a buffer a GEMM is still reading. ``FASTFT_NF4_DEQUANT=kernel`` makes
-the Triton forward decode the NF4 tiles inside the GEMM instead (:mod:`fastft.kernels.lora_gemm_nf4`); backward
-always uses the buffer (its ``dY W`` runs in torch's matmul).
+next layer's dequantisation cannot overwrite a buffer a GEMM is still reading. The Triton forward can also decode
+the NF4 tiles inside the GEMM (:mod:`fastft.kernels.lora_gemm_nf4`): one more candidate for the tuner, or forced with
+``FASTFT_NF4_DEQUANT=kernel``; backward always uses the buffer (its ``dY W`` runs in torch's matmul).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastft.kernels import dispatch
+from fastft.kernels import gemm_tuner, targets
+from fastft.kernels.compiled import usage
 from fastft.kernels.errors import ShapeContractError
-from fastft.kernels.lora_gemm import lora_gemm
+from fastft.kernels.gemm_tuner import NF4_DEQUANT_ENV, Candidate
+from fastft.kernels.lora_gemm import last_kernel, lora_gemm_reference, lora_gemm_triton
 from fastft.kernels.lora_gemm_nf4 import lora_gemm_nf4_triton
 from fastft.kernels.nf4 import dequantize_nf4
 
@@ -195,37 +199,49 @@ def _stacked_a(projections: Sequence[LoRAWeights], dtype: torch.dtype) -> torch.
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-NF4_DEQUANT_ENV = "FASTFT_NF4_DEQUANT"
-
-
 def nf4_dequant_mode() -> str:
-    """Where a Triton forward decodes NF4 bases: ``"buffer"`` (default: once per call into the reused buffer, then
-    the 16-bit kernel) or ``"kernel"`` (inside the GEMM's K loop), from ``FASTFT_NF4_DEQUANT``."""
-    mode = os.environ.get(NF4_DEQUANT_ENV, "buffer").strip().lower() or "buffer"
-    if mode not in ("buffer", "kernel"):
-        raise ValueError(
-            f"fastft.kernels: {NF4_DEQUANT_ENV} must be 'buffer' or 'kernel', got {mode!r}; unset it for the default."
-        )
-    return mode
+    """How a forced Triton forward decodes NF4 bases: ``"buffer"`` (default: once per call into the reused buffer,
+    then the 16-bit kernel) or ``"kernel"`` (inside the GEMM's K loop), from ``FASTFT_NF4_DEQUANT``. Under the tuner
+    (``FASTFT_GEMM=auto`` on a GPU) an unset variable lets both compete."""
+    return gemm_tuner.nf4_decode() or "buffer"
 
 
 def group_forward(
-    x2d: torch.Tensor, projections: Sequence[LoRAWeights]
+    x2d: torch.Tensor, projections: Sequence[LoRAWeights], group: str
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Forward of one group: ``(outputs, xa)`` with one ``[M, out_i]`` output per segment and ``xa = X [A_0; A_1; …]ᵀ``
-    (None when no segment has LoRA). Everything is computed in x's dtype."""
+    (None when no segment has LoRA). Everything is computed in x's dtype.
+
+    The base GEMM runs where :func:`fastft.kernels.gemm_tuner.choose` says for this ``group`` (``"qkv"``, ``"o"``,
+    ``"gate_up"``, ``"down"``): torch's matmul (cuBLAS) with the LoRA term added in place, or the fused Triton kernel.
+    """
     dtype = x2d.dtype
     stacked = _stacked_a(projections, dtype)
     xa = None if stacked is None else torch.mm(x2d, stacked.t())
     lora_b = [None if p.lora_b is None else p.lora_b.detach().to(dtype).contiguous() for p in projections]
     scales = [float(p.scale) for p in projections]
-    if all(is_packed(p) for p in projections) and dispatch.use_triton(x2d) and nf4_dequant_mode() == "kernel":
-        packed = [p.weight for p in projections]
-        states = [quant_state_of(p) for p in projections]
-        return lora_gemm_nf4_triton(x2d, packed, states, xa, lora_b, scales), xa
-    weights = dense_weights(projections, dtype)
-    outputs = lora_gemm(x2d, weights, xa, lora_b, scales)
-    return outputs, xa
+    packed = all(is_packed(p) for p in projections)
+
+    def run(candidate: Candidate) -> list[torch.Tensor]:
+        if candidate.path == "triton-nf4":
+            packed_weights = [p.weight for p in projections]
+            states = [quant_state_of(p) for p in projections]
+            return lora_gemm_nf4_triton(x2d, packed_weights, states, xa, lora_b, scales, candidate.config)
+        weights = dense_weights(projections, dtype)
+        if candidate.path == "triton":
+            return lora_gemm_triton(x2d, weights, xa, lora_b, scales, candidate.config)
+        return lora_gemm_reference(x2d, weights, xa, lora_b, scales)
+
+    def check(candidate: Candidate) -> list[str]:
+        if candidate.path == "cublas":
+            return []
+        capability = targets.capability(x2d.device)
+        return usage(last_kernel(), capability, has_dot=True, sixteen_bit=dtype != torch.float32).problems
+
+    widths = [weight_shape(p)[0] for p in projections]
+    ranks = [0 if p.lora_a is None else p.lora_a.shape[0] for p in projections]
+    choice = gemm_tuner.choose(group, x2d, widths, ranks, packed, run, check)
+    return run(choice.candidate), xa
 
 
 def group_backward(
@@ -328,13 +344,22 @@ def rebuild(projections: Sequence[LoRAWeights], tensors: Sequence[Any]) -> list[
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """x's dtype, or the autocast dtype when autocast is on for x's device (what F.linear would compute in)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # meta tensors (the static compile check) have no autocast.
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
 
 
+def autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off for x's device while a Function runs in the dtype :func:`compute_dtype` chose."""
+    if not torch.amp.is_autocast_available(x.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
 __all__ = [
     "LoRAWeights",
+    "autocast_off",
     "check_group",
     "compute_dtype",
     "dense_weights",
@@ -343,6 +368,7 @@ __all__ = [
     "group_forward",
     "is_packed",
     "load_group",
+    "NF4_DEQUANT_ENV",
     "nf4_dequant_mode",
     "quant_state_of",
     "rebuild",

@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.kernels.lora_projection import (
     LoRAWeights,
+    autocast_off,
     check_group,
     compute_dtype,
     function_inputs,
@@ -35,7 +36,7 @@ class LoRAQKVFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, projections: tuple[LoRAWeights, ...], *tensors: Any) -> tuple[torch.Tensor, ...]:
         projections = rebuild(projections, tensors)
         x2d = x.reshape(-1, x.shape[-1])
-        outputs, xa = group_forward(x2d, projections)
+        outputs, xa = group_forward(x2d, projections, "qkv")
         save_group(ctx, x, x2d, xa, projections)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
@@ -75,7 +76,7 @@ def lora_qkv(
     projections = (q, k, v)
     check_group("lora_qkv", _NAMES, x, projections)
     dtype = compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x):
         return LoRAQKVFunction.apply(x.to(dtype), projections, *function_inputs(projections))
 
 

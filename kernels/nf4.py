@@ -319,6 +319,8 @@ def _dequantize_triton(resolved: _Resolved, out: torch.Tensor | None = None) -> 
         NESTED=resolved.nested,
         OUT_BF16=resolved.dtype == torch.bfloat16,
         BLOCK_BYTES=_BLOCK_BYTES,
+        # 4 warps spill 8 bytes on sm_80 (fp16 / fp32 outputs); 8 do not (python -m fastft.kernels.compile_check).
+        num_warps=8,
         enable_fp_fusion=False,
     )
     return out

@@ -157,8 +157,10 @@ def _reference_backward(
     return dx, dw
 
 
-def _num_warps(block: int) -> int:
-    if block >= 8192:
+def _num_warps(block: int, backward: bool = False) -> int:
+    # Backward holds x, dy, the weight and the dW row per thread: at 8 warps and a 2048-wide row it spills on sm_80
+    # (python -m fastft.kernels.compile_check), at 16 it does not.
+    if block >= 8192 or (backward and block >= 2048):
         return 16
     if block >= 2048:
         return 8
@@ -260,7 +262,7 @@ class RMSNormFunction(torch.autograd.Function):
             BLOCK=block,
             COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw,
-            num_warps=_num_warps(block),
+            num_warps=_num_warps(block, backward=True),
         )
         dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
         return (dx.view(x.shape) if need_dx else None), dw, None

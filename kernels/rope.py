@@ -230,7 +230,7 @@ def _check(
             f"cos {tuple(cos.shape)}",
             "pass the whole tables with position_ids, or gathered cos / sin [batch, seq, head_dim] without them",
         )
-    if position_ids.numel():
+    if position_ids.numel() and not position_ids.is_meta:
         # The kernel reads table row position_ids[b, s] with no bounds check of its own: an index past the table is
         # an out-of-bounds read (silently wrong rotations, or an illegal-address fault that kills the CUDA
         # context), where a torch gather would have raised. One min/max over batch * seq ints and a single

@@ -283,6 +283,7 @@ def register_llama(
             apply=_swap_class(upstream.LlamaAttention, attention),
             replacement=attention,
             fallbacks=_group_fallbacks((attention,), {".qkv": _QKV, ".o_proj": _O}),
+            gemm_groups=("qkv", "o"),
         )
     )
     register(
@@ -295,6 +296,7 @@ def register_llama(
             apply=_swap_class(upstream.LlamaMLP, FastLlamaMLP),
             replacement=FastLlamaMLP,
             fallbacks=_group_fallbacks((FastLlamaMLP,), {"": _MLP}),
+            gemm_groups=("gate_up", "down"),
         )
     )
     register(

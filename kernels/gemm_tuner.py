@@ -1,0 +1,453 @@
+"""Which GEMM runs the base projection of a fused LoRA group: torch's matmul (cuBLAS) or the fused Triton kernel.
+
+cuBLAS is the bar. On a CUDA device of compute capability 8.0 or newer, the first call of a group with a new
+(device, dtype, shape bucket) times the cuBLAS path (base GEMM, then the LoRA term added in place with ``addmm_``)
+against every Triton configuration of :mod:`fastft.kernels.gemm_configs` that passes the static check
+(:func:`fastft.kernels.compiled.usage`) on that device, keeps the fastest, and writes the choice to a JSON cache
+(``$FASTFT_CACHE_DIR`` or ``~/.cache/fastft``, file ``gemm-tuning.json``; written atomically; keyed with the torch,
+triton and fastft versions). A cache that cannot be read is tuned again and rewritten, never a crash.
+
+``FASTFT_GEMM=cublas|triton|auto`` (default ``auto``) overrides the choice. Below compute capability 8.0 and for fp32
+operands there is no Triton candidate (see :mod:`fastft.kernels.gemm_configs`), so even ``triton`` runs cuBLAS there,
+with one warning. On the CPU the cuBLAS path is torch's CPU matmul (the reference); under the Triton interpreter
+(``TRITON_INTERPRET=1``) ``auto`` runs the Triton kernel, which is how CI checks it.
+
+Every choice made in this process is kept for :func:`choices`, which ``patch_report`` and ``fastft doctor`` show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastft.kernels import dispatch, targets
+from fastft.kernels.gemm_configs import INTERPRETER, GemmConfig, candidates
+
+logger = logging.getLogger(__name__)
+
+GEMM_ENV = "FASTFT_GEMM"
+CACHE_ENV = "FASTFT_CACHE_DIR"
+NF4_DEQUANT_ENV = "FASTFT_NF4_DEQUANT"
+MODES = ("auto", "cublas", "triton")
+CACHE_FORMAT = 1
+
+_state = threading.local()
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a group's base GEMM: ``cublas``, ``triton`` (16-bit weights, NF4 ones decoded into the reused
+    buffer first) or ``triton-nf4`` (NF4 tiles decoded inside the GEMM), with its Triton configuration."""
+
+    path: str
+    config: GemmConfig | None = None
+
+    @property
+    def label(self) -> str:
+        return self.path if self.config is None else f"{self.path}:{self.config.label}"
+
+
+CUBLAS = Candidate("cublas")
+
+
+@dataclass
+class Choice:
+    """What a group runs, and why."""
+
+    candidate: Candidate
+    reason: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def mode() -> str:
+    """The GEMM mode in force: :func:`force`'s, else ``FASTFT_GEMM``'s, else ``auto``."""
+    forced = getattr(_state, "mode", None)
+    if forced is not None:
+        return forced
+    value = os.environ.get(GEMM_ENV, "").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(
+            f"fastft.kernels: {GEMM_ENV} must be one of {', '.join(MODES)}, got {value!r}; unset it for 'auto'."
+        )
+    return value
+
+
+@contextlib.contextmanager
+def force(path: str, candidate: Candidate | None = None) -> Iterator[None]:
+    """Run every group inside the block on ``path`` (``auto``, ``cublas`` or ``triton``), like ``FASTFT_GEMM``.
+
+    ``candidate`` pins one Triton candidate (the static compile check walks them one by one with it); a group that
+    cannot take it runs cuBLAS.
+    """
+    if path not in MODES:
+        raise ValueError(f"fastft.kernels.gemm_tuner.force: path must be one of {', '.join(MODES)}, got {path!r}.")
+    previous = getattr(_state, "mode", None), getattr(_state, "pinned", None)
+    _state.mode, _state.pinned = path, candidate
+    try:
+        yield
+    finally:
+        _state.mode, _state.pinned = previous
+
+
+def nf4_decode() -> str | None:
+    """``FASTFT_NF4_DEQUANT``: ``"buffer"``, ``"kernel"``, or None (unset: the tuner tries both)."""
+    value = os.environ.get(NF4_DEQUANT_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("buffer", "kernel"):
+        raise ValueError(
+            f"fastft.kernels: {NF4_DEQUANT_ENV} must be 'buffer' or 'kernel', got {value!r}; unset it for the default."
+        )
+    return value
+
+
+def cache_dir() -> Path:
+    """Where tuning results live: ``$FASTFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastft``, else ``~/.cache/fastft``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastft"
+
+
+def cache_file() -> Path:
+    """The tuning cache file."""
+    return cache_dir() / "gemm-tuning.json"
+
+
+def cache_versions() -> dict[str, str]:
+    """The library versions a cached choice is valid for."""
+    import fastft
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "fastft": fastft.__version__}
+
+
+def read_cache(path: Path) -> dict[str, dict]:
+    """The cached choices in ``path`` that are valid for the installed versions; ``{}`` if there are none or the file
+    cannot be read (it is tuned again and rewritten)."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        logger.warning("fastft: the GEMM tuning cache %s cannot be read (%s); tuning again.", path, error)
+        return {}
+    if not isinstance(document, dict) or not isinstance(document.get("choices"), dict):
+        logger.warning("fastft: the GEMM tuning cache %s is not a fastft cache; tuning again.", path)
+        return {}
+    if document.get("format") != CACHE_FORMAT or document.get("versions") != cache_versions():
+        return {}
+    return document["choices"]
+
+
+def write_cache(path: Path, key: str, entry: dict) -> None:
+    """Add one choice to the cache file, atomically (a temporary file renamed over it), merging with what other
+    processes wrote meanwhile."""
+    with _lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = read_cache(path)
+        entries[key] = entry
+        document = {"format": CACHE_FORMAT, "versions": cache_versions(), "choices": entries}
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as stream:
+                json.dump(document, stream, indent=1, sort_keys=True)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+
+def _entry(choice: Choice) -> dict:
+    config = choice.candidate.config
+    return {
+        "path": choice.candidate.path,
+        "config": None if config is None else config.as_dict(),
+        "reason": choice.reason,
+        "timings_ms": choice.timings_ms,
+    }
+
+
+def _from_entry(entry: dict) -> Choice | None:
+    try:
+        config = None if entry["config"] is None else GemmConfig(**entry["config"])
+        return Choice(Candidate(str(entry["path"]), config), str(entry["reason"]), dict(entry["timings_ms"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def cuda_timer(run: Callable[[], Any], repeats: int = 10) -> float:
+    """Median seconds of ``run()`` on the current CUDA stream, measured with events after one warm-up call."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def tune(
+    key: str,
+    options: Sequence[Candidate],
+    run: Callable[[Candidate], Any],
+    *,
+    check: Callable[[Candidate], list[str]],
+    timer: Callable[[Callable[[], Any]], float],
+    path: Path,
+) -> Choice:
+    """The fastest of ``options`` for one bucket, from the cache at ``path`` or measured now and cached.
+
+    Args:
+        key: The bucket's cache key.
+        options: cuBLAS first, then the Triton candidates.
+        run: Runs one candidate once (compiling it on the first call).
+        check: The static check of a candidate on this device (run after its first call); problems exclude it.
+        timer: Seconds one call takes (``run`` wrapped in a zero-argument callable).
+        path: The cache file.
+    """
+    cached = read_cache(path).get(key)
+    if cached is not None:
+        choice = _from_entry(cached)
+        if choice is not None and choice.candidate in options:
+            choice.reason = f"cached: {choice.reason}"
+            return choice
+    timings, excluded = {}, {}
+    for option in options:
+        try:
+            run(option)
+            problems = check(option)
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot run here is not a candidate
+            if option is options[0]:
+                raise
+            problems = [f"{type(error).__name__}: {error}"]
+        if problems:
+            excluded[option.label] = "; ".join(problems)
+            continue
+        timings[option.label] = timer(lambda option=option: run(option)) * 1e3
+    best = min((o for o in options if o.label in timings), key=lambda o: timings[o.label])
+    measured = ", ".join(f"{label} {ms:.3f} ms" for label, ms in timings.items())
+    reason = f"tuned: {measured}"
+    if excluded:
+        reason += "; excluded " + "; ".join(f"{label} ({why})" for label, why in excluded.items())
+    choice = Choice(best, reason, {label: round(ms, 4) for label, ms in timings.items()})
+    try:
+        write_cache(path, key, _entry(choice))
+    except OSError as error:
+        logger.warning(
+            "fastft: cannot write the GEMM tuning cache %s (%s); the choice holds for this run.", path, error
+        )
+    return choice
+
+
+# Every choice of this process, latest per (group, device, dtype, bucket): what patch_report and doctor show.
+_made: dict[tuple[str, str, str, str], Choice] = {}
+_memo: dict[str, Choice] = {}
+_warned: set[str] = set()
+
+
+def _record(group: str, device: str, dtype: torch.dtype, bucket: str, choice: Choice) -> Choice:
+    _made[(group, device, str(dtype).removeprefix("torch."), bucket)] = choice
+    return choice
+
+
+def choices() -> list[dict[str, Any]]:
+    """Every GEMM choice made in this process (the latest per group, device, dtype and shape bucket)."""
+    return [
+        {
+            "group": group,
+            "device": device,
+            "dtype": dtype,
+            "bucket": bucket,
+            "path": choice.candidate.path,
+            "config": None if choice.candidate.config is None else choice.candidate.config.label,
+            "reason": choice.reason,
+            "timings_ms": dict(choice.timings_ms),
+        }
+        for (group, device, dtype, bucket), choice in _made.items()
+    ]
+
+
+def by_group() -> dict[str, str]:
+    """The latest choice per group as one line each (``"qkv": "cublas (reason)"``), for reports."""
+    lines = {}
+    for (group, device, _, _), choice in _made.items():
+        # On the CPU the cuBLAS path is torch's CPU matmul.
+        label = "torch matmul" if device == "cpu" and choice.candidate == CUBLAS else choice.candidate.label
+        lines[group] = f"{label} ({choice.reason})"
+    return lines
+
+
+def reset() -> None:
+    """Forget this process's choices (the disk cache stays)."""
+    _made.clear()
+    _memo.clear()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def bucket(widths: Sequence[int], k: int, ranks: Sequence[int], m: int, packed: bool) -> str:
+    """The shape bucket of a group: exact widths, K and ranks (a model has few), M rounded up to a power of two."""
+    rows = 1 << max(0, math.ceil(math.log2(max(m, 1))))
+    kind = "nf4" if packed else "dense"
+    return f"{kind} K={k} N={'/'.join(map(str, widths))} r={'/'.join(map(str, ranks))} M<={rows}"
+
+
+def triton_candidates(capability: int, dtype: torch.dtype, packed: bool, every: bool = False) -> list[Candidate]:
+    """The Triton candidates of a group on a target: 16-bit weights (NF4 ones decoded into the buffer first), then,
+    for NF4 groups, the in-kernel decode, as ``FASTFT_NF4_DEQUANT`` allows; only the one :func:`force` pinned, if
+    any. ``every=True`` ignores both (the static check walks them all)."""
+    dense = [Candidate("triton", c) for c in candidates(capability, dtype, "dense")]
+    in_kernel = [Candidate("triton-nf4", c) for c in candidates(capability, dtype, "nf4")] if packed else []
+    if every:
+        return dense + in_kernel
+    pinned = getattr(_state, "pinned", None)
+    if pinned is not None:
+        return [pinned] if pinned in dense + in_kernel else []
+    decode = nf4_decode() if packed else "buffer"
+    return (dense if decode in (None, "buffer") else []) + (in_kernel if decode in (None, "kernel") else [])
+
+
+def no_triton_reason(capability: int, dtype: torch.dtype) -> str:
+    """Why no Triton GEMM may run for this target and dtype, in one line."""
+    if capability < 80:
+        return f"compute capability {capability / 10:.1f} < 8.0: Triton's tl.dot has no tensor cores there, cuBLAS has"
+    return (
+        f"{str(dtype).removeprefix('torch.')} operands: the Triton GEMM multiplies fp32 in IEEE precision, cuBLAS too"
+    )
+
+
+def choose(
+    group: str,
+    x: torch.Tensor,
+    widths: Sequence[int],
+    ranks: Sequence[int],
+    packed: bool,
+    run: Callable[[Candidate], Any],
+    check: Callable[[Candidate], list[str]],
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> Choice:
+    """Pick the GEMM for one call of a group.
+
+    Args:
+        group: ``"qkv"``, ``"o"``, ``"gate_up"`` or ``"down"``.
+        x: The group's ``[M, K]`` input (device and dtype decide).
+        widths: Each segment's output width.
+        ranks: Each segment's LoRA rank (0 without).
+        packed: Whether the base weights are NF4.
+        run: Runs a candidate once and returns its outputs (used only when tuning).
+        check: The static check of a candidate that has run once (used only when tuning).
+        timer: Seconds per call; default :func:`cuda_timer`.
+    """
+    device_type = x.device.type
+    dtype = x.dtype
+    shape = bucket(widths, x.shape[1], ranks, x.shape[0], packed)
+    selected = mode()
+    if not dispatch.use_triton(x):
+        why = "FASTFT_DISABLE_TRITON=1 or triton is missing" if device_type == "cuda" else "CPU tensors"
+        return _record(group, device_type, dtype, shape, Choice(CUBLAS, f"the torch reference path: {why}"))
+    if selected == "cublas":
+        return _record(group, device_type, dtype, shape, Choice(CUBLAS, f"{GEMM_ENV}=cublas"))
+    if device_type == "cpu":
+        # The interpreter: the point of running it is to check the Triton kernels.
+        path = "triton-nf4" if packed and nf4_decode() == "kernel" else "triton"
+        return _record(group, "cpu", dtype, shape, Choice(Candidate(path, INTERPRETER), "Triton interpreter"))
+    capability = targets.capability(x.device)
+    options = triton_candidates(capability, dtype, packed)
+    if not options:
+        reason = no_triton_reason(capability, dtype)
+        if selected == "triton":
+            _warn_once(f"fastft: {GEMM_ENV}=triton ignored for {dtype} on sm_{capability}: {reason}; running cuBLAS.")
+        return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, reason))
+    if selected == "triton":
+        return _record(group, f"sm_{capability}", dtype, shape, Choice(options[0], f"{GEMM_ENV}=triton"))
+    if x.is_meta:
+        # A simulated target (the static check) has nothing to time: cuBLAS stays, as it does until Triton wins.
+        return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, "simulated target: nothing to time"))
+    name = _device_name(x.device)
+    key = f"{name}|sm_{capability}|{str(dtype).removeprefix('torch.')}|{group}|{shape}"
+    choice = _memo.get(key)
+    if choice is None:
+        choice = tune(key, [CUBLAS, *options], run, check=check, timer=timer or cuda_timer, path=cache_file())
+        _memo[key] = choice
+    return _record(group, name, dtype, shape, choice)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def policy(device: torch.device | str | None = None) -> str:
+    """What the groups will run on a device before any has run, in one line (for ``fastft doctor``)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    probe = torch.empty(0, device=device)
+    if not dispatch.use_triton(probe):
+        return "torch matmul (the reference path: no CUDA device, FASTFT_DISABLE_TRITON=1, or no triton)"
+    selected = mode()
+    if selected == "cublas":
+        return f"cuBLAS ({GEMM_ENV}=cublas)"
+    if device.type == "cpu":
+        return "Triton kernel through the interpreter (TRITON_INTERPRET=1)"
+    capability = targets.capability(device)
+    if not candidates(capability, torch.float16):
+        return f"cuBLAS ({no_triton_reason(capability, torch.float16)})"
+    if selected == "triton":
+        return f"Triton ({GEMM_ENV}=triton)"
+    return f"auto: cuBLAS or Triton, whichever is faster, tuned on first use and cached in {cache_file()}"
+
+
+__all__ = [
+    "CACHE_ENV",
+    "CUBLAS",
+    "GEMM_ENV",
+    "MODES",
+    "NF4_DEQUANT_ENV",
+    "Candidate",
+    "Choice",
+    "by_group",
+    "cache_dir",
+    "cache_file",
+    "cache_versions",
+    "choices",
+    "choose",
+    "cuda_timer",
+    "force",
+    "mode",
+    "nf4_decode",
+    "no_triton_reason",
+    "policy",
+    "read_cache",
+    "reset",
+    "triton_candidates",
+    "tune",
+    "write_cache",
+]

@@ -1,0 +1,227 @@
+"""Where the fused LoRA groups run their base GEMM: cuBLAS or Triton, by compute capability, FASTFT_GEMM and the
+on-device tuner (its cache included). CUDA targets are simulated: the launch code runs on meta tensors and every
+Triton launch is recorded instead of run."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from fastft.kernels import LoRAWeights, compile_check, dispatch, gemm_tuner, lora_qkv, targets
+from fastft.kernels.gemm_configs import GemmConfig, candidates
+from fastft.kernels.gemm_tuner import CUBLAS, Candidate, force, tune
+
+MODEL = compile_check.Model(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch, tmp_path):
+    monkeypatch.delenv(gemm_tuner.GEMM_ENV, raising=False)
+    monkeypatch.delenv(gemm_tuner.NF4_DEQUANT_ENV, raising=False)
+    monkeypatch.setenv(gemm_tuner.CACHE_ENV, str(tmp_path / "cache"))
+    gemm_tuner.reset()
+    yield
+    gemm_tuner.reset()
+
+
+def _launched_gemms(capability: int, dtype: torch.dtype, nf4: bool = False) -> list[str]:
+    """The Triton GEMM kernels the three groups launch on a simulated target (forward and backward)."""
+    launches: list[compile_check.Launch] = []
+    with targets.simulate(capability), compile_check.recording(launches, {}):
+        for _, run in compile_check._groups(MODEL, 8, dtype, nf4):
+            run()
+    return [launch.kernel for launch in launches if launch.kernel in compile_check.GEMM_KERNELS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_compute_capability_7_5_never_selects_the_triton_gemm(dtype, nf4):
+    assert candidates(75, dtype) == () and candidates(75, dtype, "nf4") == ()
+    assert _launched_gemms(75, dtype, nf4) == []
+    chosen = gemm_tuner.choices()
+    assert {c["group"] for c in chosen} == {"qkv", "o", "gate_up", "down"}
+    for choice in chosen:
+        assert choice["path"] == "cublas", choice
+        assert "compute capability 7.5 < 8.0" in choice["reason"] and "tensor cores" in choice["reason"]
+    assert not (gemm_tuner.cache_file()).exists(), "nothing to tune, nothing cached"
+
+
+def test_forcing_triton_below_8_0_still_runs_cublas_and_says_so_once(monkeypatch):
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
+    with pytest.warns(UserWarning, match=r"FASTFT_GEMM=triton ignored .* sm_75.*running cuBLAS") as caught:
+        assert _launched_gemms(75, torch.float16) == []
+        assert _launched_gemms(75, torch.float16) == []
+    assert len([w for w in caught if "FASTFT_GEMM=triton" in str(w.message)]) == 1
+
+
+def test_fp32_operands_run_cublas_on_every_target():
+    assert all(candidates(cc, torch.float32) == () for cc in targets.TARGETS)
+    assert _launched_gemms(90, torch.float32) == []
+    assert {c["path"] for c in gemm_tuner.choices()} == {"cublas"}
+
+
+@pytest.mark.parametrize("capability", [80, 86, 89, 90])
+def test_forced_triton_from_8_0_launches_the_fused_gemm(monkeypatch, capability):
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
+    # qkv, o, gate_up, down: one launch each in forward; backward runs torch's matmul.
+    assert _launched_gemms(capability, torch.bfloat16) == ["_lora_gemm_kernel"] * 4
+    assert {c["path"] for c in gemm_tuner.choices()} == {"triton"}
+
+
+def test_auto_keeps_cublas_where_nothing_was_measured():
+    # A simulated target cannot time anything: Triton runs only where a tuner measured it faster.
+    assert _launched_gemms(90, torch.bfloat16) == []
+    assert {c["reason"] for c in gemm_tuner.choices()} == {"simulated target: nothing to time"}
+
+
+def test_forced_cublas_launches_no_triton_gemm(monkeypatch):
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "cublas")
+    assert _launched_gemms(90, torch.bfloat16) == []
+    assert {c["reason"] for c in gemm_tuner.choices()} == {"FASTFT_GEMM=cublas"}
+
+
+def test_nf4_in_kernel_decode_is_a_candidate_not_the_default(monkeypatch):
+    options = gemm_tuner.triton_candidates(80, torch.float16, packed=True)
+    assert {o.path for o in options} == {"triton", "triton-nf4"} and options[0].path == "triton"
+    monkeypatch.setenv(gemm_tuner.NF4_DEQUANT_ENV, "kernel")
+    assert {o.path for o in gemm_tuner.triton_candidates(80, torch.float16, packed=True)} == {"triton-nf4"}
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
+    assert set(_launched_gemms(80, torch.float16, nf4=True)) == {"_lora_gemm_nf4_kernel"}
+
+
+def test_an_unknown_gemm_mode_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "cutlass")
+    with pytest.raises(ValueError, match=r"FASTFT_GEMM must be one of auto, cublas, triton, got 'cutlass'"):
+        gemm_tuner.mode()
+
+
+def test_the_interpreter_runs_the_triton_gemm_unless_cublas_is_forced():
+    if not dispatch.INTERPRETED:
+        pytest.fail("conftest sets TRITON_INTERPRET=1 before fastft.kernels is imported")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 24, generator=g)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    projections = [
+        LoRAWeights(
+            torch.randn(w, 24, generator=g), torch.randn(4, 24, generator=g), torch.randn(w, 4, generator=g), 0.5
+        )
+        for w in (16, 8, 8)
+    ]
+    fused = lora_qkv(x, *projections)
+    assert gemm_tuner.by_group()["qkv"].startswith("triton:32x32x32/w1/s1 (Triton interpreter)")
+    with force("cublas"):
+        plain = lora_qkv(x, *projections)
+    # On the CPU the cuBLAS path is torch's CPU matmul.
+    assert gemm_tuner.by_group()["qkv"] == "torch matmul (FASTFT_GEMM=cublas)"
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# The tuner proper, with an injected timer and static check.
+OPTIONS = [
+    CUBLAS,
+    Candidate("triton", GemmConfig(128, 128, 64, 8, 3)),
+    Candidate("triton", GemmConfig(64, 128, 64, 4, 4)),
+]
+
+
+class Bench:
+    """Stand-in candidates: ``run`` counts calls, the timer reports fixed seconds per candidate."""
+
+    def __init__(self, seconds: dict[str, float], problems: dict[str, list[str]] | None = None) -> None:
+        self.seconds, self.problems, self.runs, self.current = seconds, problems or {}, [], None
+
+    def run(self, candidate: Candidate) -> str:
+        self.runs.append(candidate.label)
+        self.current = candidate.label
+        if self.seconds.get(candidate.label) is None:
+            raise RuntimeError("out of resources: shared memory")
+        return candidate.label
+
+    def check(self, candidate: Candidate) -> list[str]:
+        return self.problems.get(candidate.label, [])
+
+    def timer(self, call) -> float:
+        call()
+        return self.seconds[self.current]
+
+
+def _tune(bench: Bench, path, key="H100|sm_90|bfloat16|qkv|dense K=2048"):
+    return tune(key, OPTIONS, bench.run, check=bench.check, timer=bench.timer, path=path)
+
+
+def test_the_tuner_keeps_the_fastest_candidate_and_caches_it(tmp_path):
+    path = tmp_path / "gemm-tuning.json"
+    labels = [o.label for o in OPTIONS]
+    bench = Bench({labels[0]: 2e-3, labels[1]: 1e-3, labels[2]: 1.5e-3})
+    choice = _tune(bench, path)
+    assert choice.candidate == OPTIONS[1]
+    assert choice.timings_ms == {labels[0]: 2.0, labels[1]: 1.0, labels[2]: 1.5}
+    document = json.loads(path.read_text())
+    assert document["versions"] == gemm_tuner.cache_versions()
+    assert document["choices"]["H100|sm_90|bfloat16|qkv|dense K=2048"]["config"] == OPTIONS[1].config.as_dict()
+
+    again = Bench({label: 1.0 for label in labels})  # would pick cuBLAS if it measured
+    reused = _tune(again, path)
+    assert reused.candidate == OPTIONS[1] and reused.reason.startswith("cached: tuned")
+    assert again.runs == [], "a cached bucket is not timed again"
+
+    other_key = "H100|sm_90|bfloat16|o|x"
+    other = _tune(Bench({labels[0]: 1e-3, labels[1]: 3e-3, labels[2]: 3e-3}), path, key=other_key)
+    assert other.candidate == CUBLAS
+    assert set(json.loads(path.read_text())["choices"]) == {
+        "H100|sm_90|bfloat16|qkv|dense K=2048",
+        "H100|sm_90|bfloat16|o|x",
+    }
+
+
+def test_cublas_wins_when_it_is_fastest_and_failing_candidates_are_excluded(tmp_path):
+    labels = [o.label for o in OPTIONS]
+    bench = Bench({labels[0]: 1.2e-3, labels[1]: None, labels[2]: 1e-3}, problems={labels[2]: ["spills 88 bytes"]})
+    choice = _tune(bench, tmp_path / "cache.json")
+    assert choice.candidate == CUBLAS
+    assert f"{labels[1]} (RuntimeError: out of resources" in choice.reason
+    assert f"{labels[2]} (spills 88 bytes)" in choice.reason
+    assert list(choice.timings_ms) == [labels[0]], "an excluded candidate is never timed"
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"format": 1, "choices": {"k": {"path": 3}}}'])
+def test_a_corrupt_cache_is_tuned_again_and_rewritten(tmp_path, caplog, content):
+    path = tmp_path / "gemm-tuning.json"
+    path.write_text(content)
+    labels = [o.label for o in OPTIONS]
+    bench = Bench({labels[0]: 3e-3, labels[1]: 2e-3, labels[2]: 1e-3})
+    with caplog.at_level(logging.WARNING, logger="fastft.kernels.gemm_tuner"):
+        choice = _tune(bench, path, key="k")
+    assert choice.candidate == OPTIONS[2] and bench.runs, "tuned, not read from the broken file"
+    assert json.loads(path.read_text())["choices"]["k"]["path"] == "triton"
+    if content.startswith("{not"):
+        assert "cannot be read" in caplog.text
+
+
+def test_a_cache_from_other_versions_is_not_trusted(tmp_path):
+    path = tmp_path / "gemm-tuning.json"
+    stale = {"path": "triton", "config": OPTIONS[1].config.as_dict(), "reason": "tuned", "timings_ms": {}}
+    versions = {**gemm_tuner.cache_versions(), "triton": "0.0.1"}
+    path.write_text(json.dumps({"format": 1, "versions": versions, "choices": {"k": stale}}))
+    labels = [o.label for o in OPTIONS]
+    bench = Bench({labels[0]: 1e-3, labels[1]: 2e-3, labels[2]: 2e-3})
+    assert _tune(bench, path, key="k").candidate == CUBLAS
+    assert bench.runs
+
+
+def test_an_unwritable_cache_keeps_the_choice_for_the_run(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    labels = [o.label for o in OPTIONS]
+    bench = Bench({labels[0]: 1e-3, labels[1]: 2e-3, labels[2]: 2e-3})
+    with caplog.at_level(logging.WARNING, logger="fastft.kernels.gemm_tuner"):
+        choice = _tune(bench, blocker / "sub" / "gemm-tuning.json", key="k")
+    assert choice.candidate == CUBLAS
+    assert "cannot write the GEMM tuning cache" in caplog.text
