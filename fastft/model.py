@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from fastft.contracts import (
     guard_max_seq_length,
 )
 from fastft.embedded import materialise_gguf, resolve_alias
+from fastft.kernels.targets import capability
 from fastft.registry import apply_patches
 
 logger = logging.getLogger(__name__)
@@ -46,14 +48,21 @@ _SHARED_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "lo
 _DTYPE_KWARG = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
 _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# bf16 tensor cores start with Ampere. torch.cuda.is_bf16_supported() cannot decide this: it also counts emulation
+# and so says True on a T4, where bf16 matmuls run several times slower than fp16.
+_BF16_TENSOR_CORES = 80
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     """Pick the compute dtype.
 
+    GPUs below compute capability 8.0 (T4, V100, RTX 20xx) have no bf16 tensor cores, so they train in fp16: that
+    is the automatic choice there, and an explicit bf16 becomes fp16 with a warning. The decision is made on the compute
+    capability, never on ``torch.cuda.is_bf16_supported()``, which also counts emulation and says True on a T4.
+
     Args:
-        dtype: A torch dtype, a name such as ``"bf16"`` or ``"float16"``, or ``None`` for automatic: bf16 on
-            GPUs that support it, fp16 on other GPUs, float32 on CPU.
+        dtype: A torch dtype, a name such as ``"bf16"`` or ``"float16"``, or ``None`` for automatic: bf16 on GPUs of
+            compute capability 8.0 and newer, fp16 on older GPUs, float32 on CPU.
 
     Returns:
         The torch dtype.
@@ -63,15 +72,31 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     """
     if dtype is None:
         if torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if capability() >= _BF16_TENSOR_CORES else torch.float16
         return torch.float32
     if isinstance(dtype, str):
         if dtype.lower() not in _DTYPES:
             raise ValueError(f"fastft: dtype={dtype!r} is not one of {sorted(_DTYPES)} or None (automatic).")
-        return _DTYPES[dtype.lower()]
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        resolved = _DTYPES[dtype.lower()]
+    elif dtype in (torch.float32, torch.float16, torch.bfloat16):
+        resolved = dtype
+    else:
         raise ValueError(f"fastft: dtype={dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16.")
-    return dtype
+    if resolved == torch.bfloat16 and torch.cuda.is_available():
+        cc = capability()
+        if cc < _BF16_TENSOR_CORES:
+            warnings.warn(
+                f"fastft: dtype={dtype!r} asks for bf16, but {torch.cuda.get_device_name()} (compute capability "
+                f"{cc // 10}.{cc % 10}) has no bf16 tensor cores: they start at compute capability 8.0 (A100, A10, L4, "
+                "RTX 30xx), and below it bf16 runs emulated, several times slower. Using fp16 instead: the model "
+                "computes in fp16, fastft.trl.sft_config and `fastft train` train with fp16 autocast and a gradient "
+                "scaler, and the LoRA adapters stay in fp32. Pass dtype=None or 'fp16' to choose this without the "
+                "warning.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return torch.float16
+    return resolved
 
 
 def _quantization_config(dtype: torch.dtype) -> Any:
@@ -153,6 +178,88 @@ def _adapter_tensors(adapter_path: str | Path, hub_kwargs: dict[str, Any]) -> di
     raise FileNotFoundError(f"fastft.load_adapter: {adapter_path} has neither of {list(_ADAPTER_WEIGHTS)}.")
 
 
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating-point tensors (alone, or in a plain tuple, list or dict) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    # Exact types only: a named tuple or a ModelOutput would not survive being rebuilt from its items.
+    if type(value) in (tuple, list):
+        return type(value)(_cast_floats(item, dtype) for item in value)
+    if type(value) is dict:
+        return {key: _cast_floats(item, dtype) for key, item in value.items()}
+    return value
+
+
+class _Fp32Copy:
+    """Forward hooks of a ``modules_to_save`` copy kept in fp32 inside an fp16 model.
+
+    Without autocast (CPU, or generation after training) its floating inputs are raised to fp32, since an fp32 Linear
+    refuses fp16 activations; under autocast its ops pick their dtype themselves. Its floating outputs go back to the
+    model's dtype, so the layers after it see what they would without the upcast, and a trained embedding does not
+    turn the whole residual stream into fp32.
+    """
+
+    def __init__(self, model_dtype: torch.dtype) -> None:
+        self.model_dtype = model_dtype
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        weight = next(module.parameters(), None)
+        if weight is None or torch.is_autocast_enabled(weight.device.type):
+            return None
+        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+
+    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        return _cast_floats(output, self.model_dtype)
+
+
+def keep_trainable_fp32(model: torch.nn.Module) -> list[str]:
+    """Make the trained weights of a model with an fp16 base fp32, so fp16 training with a gradient scaler works.
+
+    torch's ``GradScaler`` refuses fp16 gradients ("Attempting to unscale FP16 gradients"), and fp16 weights would
+    lose small optimizer updates to rounding. peft already makes LoRA A and B fp32, but not the ``modules_to_save``
+    copies (a trained ``embed_tokens`` or ``lm_head``), and trl's ``SFTTrainer`` casts every trained weight of a 4-bit
+    model to bf16 when it is built. This casts each trained weight that is not fp32 back to fp32 in place (the
+    Parameter objects stay the same) and gives each ``modules_to_save`` copy hooks that hand its outputs on in fp16.
+    A model whose frozen weights are not fp16 (an fp32 or bf16 base, trained without a gradient scaler) is left as it
+    is. Calling it again is harmless.
+
+    :meth:`FastModel.get_peft_model` and :meth:`FastModel.load_adapter` (with ``is_trainable=True``) call it;
+    ``fastft train`` calls it again once the ``SFTTrainer`` is built. Call it yourself after building an
+    ``SFTTrainer`` around a 4-bit fp16 model to undo trl's bf16 cast.
+
+    Args:
+        model: A ``PeftModel`` (or any module) whose trained weights have ``requires_grad`` set.
+
+    Returns:
+        The names of the parameters that were cast.
+    """
+    from peft.utils.other import ModulesToSaveWrapper
+
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
+    if torch.float16 not in frozen:
+        return []
+    cast = []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
+            # .data, not a new Parameter: tied weights and anything already holding the Parameter keep seeing it.
+            parameter.data = parameter.data.to(torch.float32)
+            cast.append(name)
+    for wrapper in model.modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for copy in wrapper.modules_to_save.values():
+            trained = any(p.requires_grad for p in copy.parameters())
+            if not trained or getattr(copy, "_fastft_fp32_copy", False):
+                continue
+            hooks = _Fp32Copy(torch.float16)
+            copy.register_forward_pre_hook(hooks.before, with_kwargs=True)
+            copy.register_forward_hook(hooks.after, with_kwargs=True)
+            copy._fastft_fp32_copy = True
+    if cast:
+        logger.info("fastft: %d trained weights cast to fp32 over the fp16 base", len(cast))
+    return cast
+
+
 def _check_base(model: torch.nn.Module) -> None:
     # Every entry point that receives a base model: projections against the config, 4-bit weights with their
     # quant_state, the per-forward 4-bit guards and the nn.DataParallel refusal (adding them again is a no-op).
@@ -194,9 +301,11 @@ class FastModel:
                 backbone (``model.model``), so it holds when a trainer calls the backbone directly. It is per
                 call: generation with a KV cache feeds one token per step and may run past it. Padding-free
                 packed rows count their longest sequence (from ``position_ids``).
-            dtype: Compute dtype; ``None`` picks bf16 / fp16 on GPU and float32 on CPU.
+            dtype: Compute dtype; ``None`` picks bf16 on GPUs of compute capability 8.0 and newer, fp16 on older
+                ones (T4, V100, RTX 20xx), and float32 on CPU. An explicit bf16 on an older GPU becomes fp16, with a
+                warning (see :func:`resolve_dtype`).
             load_in_4bit: Quantise the base weights to bitsandbytes NF4 with double quantisation, computing in
-                ``dtype``. Works on CPU too.
+                ``dtype`` (so in fp16 on GPUs older than compute capability 8.0). Works on CPU too.
             gguf_file: A GGUF file inside ``model_name``; it is converted once into fastft's cache.
             patch: Apply fastft's patches; ``False`` keeps the stock upstream modules.
             **hf_kwargs: Passed to ``AutoModelForCausalLM.from_pretrained`` (``revision``, ``token``,
@@ -234,8 +343,9 @@ class FastModel:
                         f"fastft.from_pretrained: {adapter_config} names no base_model_name_or_path; load the base "
                         "model with FastModel.from_pretrained, then FastModel.load_adapter(model, adapter_path)."
                     )
+                # The resolved dtype, so a bf16 request on an older GPU warns once, not again for the base.
                 model, tokenizer = FastModel.from_pretrained(
-                    base_name, max_seq_length, dtype, load_in_4bit, patch=patch, **hf_kwargs
+                    base_name, max_seq_length, torch_dtype, load_in_4bit, patch=patch, **hf_kwargs
                 )
                 return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
         check_config(_config_before_loading(source, hf_kwargs), source=source)
@@ -284,7 +394,9 @@ class FastModel:
             **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
 
         Returns:
-            A ``peft.PeftModel``; its ``save_pretrained`` writes a standard peft adapter.
+            A ``peft.PeftModel``; its ``save_pretrained`` writes a standard peft adapter. Its trained weights are
+            fp32 over an fp16 base (LoRA A and B, and ``modules_to_save`` copies; see :func:`keep_trainable_fp32`),
+            so fp16 training with a gradient scaler can unscale their gradients.
 
         Raises:
             ShapeContractError: A projection that does not fit the config, a 4-bit weight without its quant_state,
@@ -329,6 +441,7 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = _peft_get_peft_model(model, config)
+        keep_trainable_fp32(peft_model)
         check_lora(peft_model)
         checkpoint.set_mode(model, mode)
         model.config.use_cache = False
@@ -383,6 +496,8 @@ class FastModel:
             peft_model = model
         else:
             peft_model = PeftModel.from_pretrained(model, str(adapter_path), **options)
+        if is_trainable:
+            keep_trainable_fp32(peft_model)
         check_lora(peft_model)
         return peft_model
 

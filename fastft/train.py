@@ -16,7 +16,7 @@ from trl import SFTTrainer
 from fastft.data import load_rows, to_sft_rows
 from fastft.distributed import launch
 from fastft.environment import package_versions
-from fastft.model import FastModel, resolve_dtype
+from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
 from fastft.plot import plot_loss
 from fastft.trl import StopOnSignal, loss_history, sft_config
 
@@ -154,6 +154,9 @@ def run(options: TrainOptions) -> dict:
     trainer = SFTTrainer(
         model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=[stopper]
     )
+    # trl casts the trained weights of a 4-bit model to bf16 while building the trainer; an fp16 run (GPUs below
+    # compute capability 8.0) keeps them in fp32 for its gradient scaler. The optimizer is only built in train().
+    keep_trainable_fp32(model)
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from)
     completed = stopper.received is None

@@ -12,27 +12,34 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from trl import SFTConfig
 
 from fastft.distributed import one_gpu_per_process
+from fastft.model import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 
-def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides: Any) -> SFTConfig:
+def sft_config(output_dir: str, dtype: torch.dtype | str | None, max_length: int, **overrides: Any) -> SFTConfig:
     """An ``SFTConfig`` that fits a fastft model.
 
-    Mixed precision follows the model's dtype (trl would otherwise turn bf16 autocast on, even on CPU), and
-    checkpointing is left to the mode chosen in ``FastModel.get_peft_model``. Under torchrun / ``accelerate launch``
-    Trainer trains with DDP, on CPU too (gloo); a single process that sees several GPUs trains on one of them
+    Mixed precision follows the model's dtype (trl would otherwise turn bf16 autocast on, even on CPU): bf16 autocast
+    for a bf16 model; for an fp16 model on a GPU, fp16 autocast with a gradient scaler (the adapters are fp32, see
+    :func:`fastft.model.keep_trainable_fp32`, so the scaler can unscale their gradients). The dtype goes through
+    :func:`fastft.model.resolve_dtype` first, so on a GPU below compute capability 8.0 (T4, V100), which has no bf16
+    tensor cores, bf16 becomes fp16 with a warning, as it does when the model is loaded. Checkpointing is left to the
+    mode chosen in ``FastModel.get_peft_model``. Under torchrun / ``accelerate launch`` Trainer trains with DDP, on CPU
+    too (gloo); a single process that sees several GPUs trains on one of them
     (:func:`fastft.distributed.one_gpu_per_process`) instead of falling back to ``nn.DataParallel``.
 
     Args:
         output_dir: Where checkpoints go.
-        dtype: The model's compute dtype.
+        dtype: The model's compute dtype (``model.dtype`` of a model from ``FastModel.from_pretrained``), a name such
+            as ``"fp16"``, or ``None`` for what ``from_pretrained`` picks automatically on this machine.
         max_length: Longest tokenized example; longer ones are truncated by trl.
         **overrides: Any other ``SFTConfig`` field.
 
     Returns:
         The config.
     """
+    dtype = resolve_dtype(dtype)
     on_gpu = torch.cuda.is_available()
     settings: dict[str, Any] = {
         "output_dir": output_dir,
@@ -41,6 +48,7 @@ def sft_config(output_dir: str, dtype: torch.dtype, max_length: int, **overrides
         # train on all the data alone.
         "use_cpu": not on_gpu,
         "bf16": dtype == torch.bfloat16,
+        # Trainer refuses fp16 mixed precision on CPU; an fp16 model there computes in fp16 without autocast.
         "fp16": dtype == torch.float16 and on_gpu,
         "report_to": "none",
         "logging_steps": 1,

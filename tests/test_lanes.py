@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import subprocess
 import sys
 from importlib import metadata
@@ -78,9 +79,16 @@ def test_a_lane_file_must_pin_exactly_and_name_itself(lanes, tmp_path):
 
 
 def test_version_check_names_each_library_off_its_pin(lanes, tmp_path, monkeypatch):
-    # A "venv" whose python is this interpreter, so the check reads this environment's versions.
-    (tmp_path / "here" / "bin").mkdir(parents=True)
-    (tmp_path / "here" / "bin" / "python").symlink_to(sys.executable)
+    # A "venv" whose python is this interpreter, so the check reads this environment's versions. Not a symlink: a venv's
+    # python looks for its pyvenv.cfg beside the path it was started by, so when the suite itself runs in a venv, a link
+    # to it from elsewhere starts the bare base interpreter, which lacks the venv's packages. A script that execs
+    # sys.executable by its own path stays in whatever environment runs the suite.
+    python = tmp_path / "here" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    probe = [str(python), "-c", "import sys; print(sys.prefix)"]
+    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == sys.prefix
     monkeypatch.setattr(lanes, "VENVS", tmp_path)
     monkeypatch.setattr(lanes, "TORCH_VERSION", metadata.version("torch"))
     installed = {name: metadata.version(name) for name in PINNED}
