@@ -1,33 +1,51 @@
-"""Time fastft's fused LoRA-QKV (forward + backward) against peft's unfused path and the bare base GEMM; write JSON.
+"""Time fastft's fused LoRA projection groups (forward + backward) against peft and the bare base GEMMs; write JSON.
 
 Usage::
 
-    python bench/lora.py                                   # CUDA when present: Llama-3-8B and Llama-3.2-1B q/k/v,
+    python bench/lora.py                                   # CUDA when present: Llama-3-8B and Llama-3.2-1B groups,
                                                            # 8192 tokens, bf16 and NF4 (bf16 compute)
     python bench/lora.py --device cpu --shapes tiny --tokens 256 --repeats 3   # the harness on CPU (fp32, NF4)
+    python bench/lora.py --tune-only --shapes llama-3.2-1b --out tuner.json     # only fill the GEMM tuning cache
 
-Three systems run the same q / k / v projections of one ``[tokens, hidden]`` input ``x`` (which requires grad, as
-the hidden states of a model do), each step one forward and one backward with fixed upstream gradients:
+Each group is what one fused autograd node of fastft covers in a Llama layer, run on one ``[tokens, in]`` input
+``x`` that requires grad (as a model's hidden states do), one forward and one backward with fixed upstream
+gradients:
 
-- ``fused``: :func:`fastft.kernels.lora_qkv.lora_qkv` over :class:`~fastft.kernels.lora_projection.LoRAWeights`
-  built from the very parameters peft made (so both systems share base weights, A and B);
-- ``peft``: real peft (``get_peft_model`` with ``LoraConfig(r, lora_alpha=16, lora_dropout=0)``) on a small module
-  holding ``q_proj`` / ``k_proj`` / ``v_proj`` as ``nn.Linear`` (or bitsandbytes ``Linear4bit`` for NF4): three
-  projections, each ``base(x) + lora_B(lora_A(x)) * scaling``;
-- ``floor``: ``x @ [Wq; Wk; Wv]ᵀ`` forward and its ``dX`` backward, the frozen base GEMM and nothing else (for NF4,
-  the same GEMM over the already dequantised dense weight). ``fused / floor`` says how close the fusion comes to
-  the cost of the base projection alone.
+- ``qkv``: q / k / v of ``[tokens, hidden]`` (:func:`fastft.kernels.lora_qkv.lora_qkv`);
+- ``o``: o_proj of ``[tokens, heads·head_dim]`` (:func:`fastft.kernels.lora_o.lora_o`);
+- ``mlp``: gate / up, SwiGLU, down (:func:`fastft.kernels.lora_mlp.lora_mlp`).
+
+Systems, alternated in one process (cublas, triton, auto, peft, floor, cublas, ...):
+
+- ``cublas``, ``triton``, ``auto``: fastft's group over :class:`~fastft.kernels.lora_projection.LoRAWeights` built
+  from the very parameters peft made (so every system shares base weights, A and B), with its base GEMM forced to
+  torch's matmul (``FASTFT_GEMM=cublas``), forced to the fused Triton kernel (``triton``; NF4 decoded into the
+  reused buffer) or left to the tuner (``auto``, the default a user gets: on a GPU it times cuBLAS against every
+  Triton configuration on first use and keeps the fastest). ``auto`` is tuned before any timing starts, so its
+  samples time the chosen path, never the tuning; the JSON keeps what the tuner chose and why
+  (:func:`fastft.kernels.gemm_tuner.choices`, with its timings) and how long the tuning call took;
+- ``peft``: real peft (``get_peft_model`` with ``LoraConfig(r, lora_alpha=16, lora_dropout=0)``) over ``nn.Linear``
+  (or bitsandbytes ``Linear4bit`` for NF4) projections, each ``base(x) + lora_B(lora_A(x)) * scaling``;
+- ``floor``: the bare base GEMMs of the group, ``X Wᵀ`` forward and ``dY W`` backward, no LoRA (for NF4 over the
+  already dequantised dense weight; for ``mlp`` gate|up and down as two GEMMs, no SwiGLU).
+
+On a CPU there is no cuBLAS-or-Triton choice (both run torch's matmul), so only ``auto``, ``peft`` and ``floor``
+run unless ``--systems`` says otherwise; under ``TRITON_INTERPRET=1`` ``triton`` and ``auto`` run the interpreted
+kernel. With NF4 bases the run also times the Triton kernel decoding the 4-bit tiles inside the GEMM
+(``nf4_in_kernel``: ``FASTFT_NF4_DEQUANT=kernel``) against the reused buffer (``nf4_decode`` in the JSON).
+
+The ratios per row are the ones the GEMM-selection issue targets: ``auto / cublas`` (the tuner's choice must be no
+slower than cuBLAS, within the noise of the paired per-round ratios) and, for ``qkv``, ``auto / floor`` (at most
+1.15) and ``peft / auto`` (at least 1.5). They are judged only on a GPU with the Triton dispatch (``met`` is null
+elsewhere).
 
 The LoRA weights are kept in the compute dtype (``autocast_adapter_dtype=False``, no autocast), so every system
 multiplies in the same dtype. Timing: on CUDA a pair of ``torch.cuda.Event`` around ``--inner`` back-to-back steps,
-synchronised before and after; on CPU ``time.perf_counter``. The systems alternate (fused, peft, floor, fused, ...)
-for ``--repeats`` rounds after ``--warmup`` steps each, and the JSON keeps every sample and the medians. The same run
-checks correctness: the relative error of fused against peft (outputs, dX, every dA and dB) and of both against a
-float64 computation of the same function. Peak memory per system is ``torch.cuda.max_memory_allocated`` over one
-step (CUDA); on every device the bytes autograd keeps for backward beyond the inputs and weights.
-
-With NF4 bases the run also times ``fused`` with the base decoded inside the GEMM (``FASTFT_NF4_DEQUANT=kernel``)
-against the default reused buffer, and records which was faster under ``nf4_decode``.
+synchronised before and after; on CPU ``time.perf_counter``. The JSON keeps every sample and the medians. The same
+run checks correctness: the relative error of each fastft system against peft (outputs, dX, every dA and dB) and of
+each against a float64 computation of the same function. Peak memory per system is
+``torch.cuda.max_memory_allocated`` over one step (CUDA); on every device the bytes autograd keeps for backward beyond
+the inputs and weights.
 
 On CPU fastft runs its torch reference path, not the Triton kernel (``"fastft_path": "reference"`` in the JSON), so
 CPU times check the harness and say nothing about the kernel.
@@ -45,6 +63,7 @@ if __name__ == "__main__":
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _here]
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -53,78 +72,143 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastft.environment import describe_device, device_slug, package_versions
-from fastft.kernels import dispatch
-from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, LoRAWeights, release_buffers
+from fastft.kernels import dispatch, gemm_tuner
+from fastft.kernels.gemm_tuner import NF4_DEQUANT_ENV
+from fastft.kernels.lora_mlp import lora_mlp
+from fastft.kernels.lora_o import lora_o
+from fastft.kernels.lora_projection import LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
 from fastft.measure import SavedTensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("fused", "peft", "floor")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-# What the fused path must reach on a GPU (issue 5): at most 15 % over the base GEMM, at least 1.5x faster than peft.
-TARGET_FUSED_OVER_FLOOR = 1.15
-TARGET_PEFT_OVER_FUSED = 1.5
+GROUPS = ("qkv", "o", "mlp")
+CPU_GROUPS = ("qkv",)
+FASTFT_SYSTEMS = ("cublas", "triton", "auto")
+SYSTEMS = (*FASTFT_SYSTEMS, "peft", "floor")
+CPU_SYSTEMS = ("auto", "peft", "floor")
+NF4_IN_KERNEL = "nf4_in_kernel"
+# Per fastft system: the GEMM mode forced for the call and FASTFT_NF4_DEQUANT (None: unset, so the tuner lets the
+# buffer and the in-kernel decode compete, as a user's default run does).
+SYSTEM_MODES: dict[str, tuple[str, str | None]] = {
+    "cublas": ("cublas", None),
+    "triton": ("triton", "buffer"),
+    "auto": ("auto", None),
+    NF4_IN_KERNEL: ("triton", "kernel"),
+}
+# What fastft must reach on a GPU: the tuner's choice no slower than cuBLAS (within the measured noise, and never
+# less tolerance than NOISE_MIN), LoRA-QKV at most 15 % over the bare base GEMMs and at least 1.5x faster than peft.
+NOISE_MIN = 0.01
+TARGET_QKV_OVER_FLOOR = 1.15
+TARGET_PEFT_OVER_QKV = 1.5
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Shape:
-    """The q / k / v projections of one attention layer and the tokens of one micro-batch."""
+    """The projections of one Llama layer and the tokens of one micro-batch."""
 
     hidden: int
     q_out: int
     kv_out: int
+    intermediate: int
     rank: int
     tokens: int
 
 
 SHAPES = {
     # 32 heads / 8 kv heads of 128: q 4096 wide, k and v 1024.
-    "llama-3-8b": Shape(hidden=4096, q_out=4096, kv_out=1024, rank=16, tokens=8192),
+    "llama-3-8b": Shape(hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, rank=16, tokens=8192),
     # 32 heads / 8 kv heads of 64: q 2048 wide, k and v 512.
-    "llama-3.2-1b": Shape(hidden=2048, q_out=2048, kv_out=512, rank=16, tokens=8192),
+    "llama-3.2-1b": Shape(hidden=2048, q_out=2048, kv_out=512, intermediate=8192, rank=16, tokens=8192),
     # GQA at a size the CPU harness check (and the test suite) can afford.
-    "tiny": Shape(hidden=128, q_out=128, kv_out=64, rank=16, tokens=256),
+    "tiny": Shape(hidden=128, q_out=128, kv_out=64, intermediate=256, rank=16, tokens=256),
 }
 GPU_SHAPES = ("llama-3-8b", "llama-3.2-1b")
 CPU_SHAPES = ("tiny",)
 
 
-class _QKV(torch.nn.Module):
-    """The q / k / v projections peft wraps, and nothing else of an attention layer."""
+def projections_of(shape: Shape, group: str) -> list[tuple[str, int, int]]:
+    """``(name, out_features, in_features)`` of each projection of ``group``, in the fused function's order."""
+    if group == "qkv":
+        return [
+            ("q_proj", shape.q_out, shape.hidden),
+            ("k_proj", shape.kv_out, shape.hidden),
+            ("v_proj", shape.kv_out, shape.hidden),
+        ]
+    if group == "o":
+        return [("o_proj", shape.hidden, shape.q_out)]
+    if group == "mlp":
+        return [
+            ("gate_proj", shape.intermediate, shape.hidden),
+            ("up_proj", shape.intermediate, shape.hidden),
+            ("down_proj", shape.hidden, shape.intermediate),
+        ]
+    raise ValueError(f"unknown group {group!r}; choose from {GROUPS}")
 
-    def __init__(self, q_proj: torch.nn.Module, k_proj: torch.nn.Module, v_proj: torch.nn.Module) -> None:
+
+def base_flops(shape: Shape, group: str) -> int:
+    """FLOPs of the group's base GEMMs: ``X Wᵀ`` forward and ``dY W`` backward, per projection."""
+    return sum(2 * 2 * shape.tokens * out * inp for _, out, inp in projections_of(shape, group))
+
+
+class _Group(torch.nn.Module):
+    """The projections peft wraps, and what the layer does between them (SwiGLU for the MLP), nothing else."""
+
+    def __init__(self, group: str, layers: dict[str, torch.nn.Module]) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
+        self.group = group
+        for name, layer in layers.items():
+            self.add_module(name, layer)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.group == "qkv":
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.group == "o":
+            return (self.o_proj(x),)
+        # LlamaMLP: down(silu(gate(x)) * up(x)).
+        return (self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)),)
+
+
+def fastft_forward(group: str, x: torch.Tensor, weights: list[LoRAWeights]) -> tuple[torch.Tensor, ...]:
+    """fastft's fused function for ``group``; always a tuple of outputs."""
+    if group == "qkv":
+        return lora_qkv(x, *weights)
+    if group == "o":
+        return (lora_o(x, weights[0]),)
+    return (lora_mlp(x, *weights),)
 
 
 @dataclass
 class Workload:
-    """One shape and weight format, built once: the three systems' steps and what correctness compares."""
+    """One shape, group and weight format, built once: every system's forward and what correctness compares."""
 
+    group: str
     x: torch.Tensor
-    # dQ, dK, dV for fused and peft; the floor gets the same values as one [tokens, q + 2 kv] gradient.
+    # The group's output gradients, shared by fastft and peft.
     upstream: list[torch.Tensor]
+    # The floor's: the same values as one [tokens, Σ out] gradient (qkv), or one per base GEMM (mlp).
     floor_upstream: list[torch.Tensor]
+    # Leaves whose .grad a step fills (x, and the floor's MLP hidden state).
+    leaves: list[torch.Tensor]
     lora_params: dict[str, torch.Tensor]
     # Dense [out, in] base weights in the compute dtype (dequantised for NF4): the floor's and float64 reference's.
     dense: list[torch.Tensor]
     scales: list[float]
+    # "fastft" (run under a system's GEMM mode), "peft", "floor".
     forward: dict[str, Callable[[], tuple[torch.Tensor, ...]]]
     # Storages that exist whatever the system does (inputs, weights, upstream gradients): not counted as saved.
     resident: tuple[torch.Tensor, ...]
-    # The class peft wrapped q_proj in (its bitsandbytes Linear4bit for NF4, lora.Linear otherwise).
+    # The class peft wrapped the first projection in (its bitsandbytes Linear4bit for NF4, lora.Linear otherwise).
     peft_layer: str
+    names: list[str]
 
 
 def _linear(
@@ -155,19 +239,24 @@ def _linear(
     return layer, bnbf.dequantize_4bit(packed.data, packed.quant_state).to(dtype)
 
 
-def build_workload(shape: Shape, weights: str, dtype: torch.dtype, device: torch.device, seed: int) -> Workload:
-    """Random base weights, peft's LoRA model over them, and the fused and floor steps over the same tensors."""
+def build_workload(
+    shape: Shape, group: str, weights: str, dtype: torch.dtype, device: torch.device, seed: int
+) -> Workload:
+    """Random base weights, peft's LoRA model over them, and the fastft and floor steps over the same tensors."""
     from peft import LoraConfig, get_peft_model
 
     gen = torch.Generator().manual_seed(seed)
-    widths = (shape.q_out, shape.kv_out, shape.kv_out)
-    layers, dense = [], []
-    for width in widths:
-        layer, dense_weight = _linear(weights, torch.randn(width, shape.hidden, generator=gen) * 0.02, dtype, device)
-        layers.append(layer)
+    specs = projections_of(shape, group)
+    names = [name for name, _, _ in specs]
+    layers, dense = {}, []
+    for name, out_features, in_features in specs:
+        layer, dense_weight = _linear(
+            weights, torch.randn(out_features, in_features, generator=gen) * 0.02, dtype, device
+        )
+        layers[name] = layer
         dense.append(dense_weight.contiguous())
-    config = LoraConfig(r=shape.rank, lora_alpha=16, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none")
-    base = _QKV(*layers)
+    config = LoraConfig(r=shape.rank, lora_alpha=16, target_modules=names, lora_dropout=0.0, bias="none")
+    base = _Group(group, layers)
     # transformers marks a model it loaded in 4 bit; peft reads that mark to wrap Linear4bit in its bitsandbytes LoRA
     # layer (peft.tuners.lora.bnb.Linear4bit), and without it falls back to the generic lora.Linear.
     base.is_loaded_in_4bit = weights == "nf4"
@@ -176,47 +265,115 @@ def build_workload(shape: Shape, weights: str, dtype: torch.dtype, device: torch
 
     lora_params, scales, fused_weights = {}, [], []
     with torch.no_grad():
-        for name, width in zip(PROJECTIONS, widths, strict=True):
+        for name, out_features, in_features in specs:
             module = getattr(model.base_model.model, name)
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             # peft leaves adapters of a 4-bit base in fp32; keep every system in the compute dtype. B is made
             # non-zero (its default zero would hide every dA error), A unit-scale per input feature.
-            a.data = (torch.randn(shape.rank, shape.hidden, generator=gen) / math.sqrt(shape.hidden)).to(device, dtype)
-            b.data = (torch.randn(width, shape.rank, generator=gen) * 0.02).to(device, dtype)
+            a.data = (torch.randn(shape.rank, in_features, generator=gen) / math.sqrt(in_features)).to(device, dtype)
+            b.data = (torch.randn(out_features, shape.rank, generator=gen) * 0.02).to(device, dtype)
             lora_params[f"{name}.lora_A"], lora_params[f"{name}.lora_B"] = a, b
             scale = float(module.scaling["default"])
             scales.append(scale)
             fused_weights.append(LoRAWeights(module.base_layer.weight, a, b, scale))
 
-    x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
-    upstream = [torch.randn(shape.tokens, width, generator=gen).to(device, dtype) for width in widths]
-    # The floor's operands, concatenated once outside the timed step: one GEMM forward, one backward.
-    w_cat = torch.cat(dense, dim=0)
-    dy_cat = torch.cat(upstream, dim=1)
+    x = torch.randn(shape.tokens, specs[0][2], generator=gen).to(device, dtype).requires_grad_()
+    out_widths = [specs[-1][1]] if group == "mlp" else [out for _, out, _ in specs]
+    upstream = [torch.randn(shape.tokens, width, generator=gen).to(device, dtype) for width in out_widths]
+    leaves = [x]
+    # The floor's operands, concatenated once outside the timed step.
+    if group == "mlp":
+        w_gate_up = torch.cat(dense[:2], dim=0)
+        w_down = dense[2]
+        hidden = torch.randn(shape.tokens, shape.intermediate, generator=gen).to(device, dtype).requires_grad_()
+        leaves.append(hidden)
+        floor_upstream = [
+            torch.randn(shape.tokens, 2 * shape.intermediate, generator=gen).to(device, dtype),
+            upstream[0],
+        ]
+        floor_weights: tuple[torch.Tensor, ...] = (w_gate_up, w_down)
 
-    def floor_forward() -> tuple[torch.Tensor, ...]:
-        return (x @ w_cat.t(),)
+        def floor_forward() -> tuple[torch.Tensor, ...]:
+            return x @ w_gate_up.t(), hidden @ w_down.t()
+
+    else:
+        w_cat = torch.cat(dense, dim=0) if len(dense) > 1 else dense[0]
+        floor_upstream = [torch.cat(upstream, dim=1) if len(upstream) > 1 else upstream[0]]
+        floor_weights = (w_cat,)
+
+        def floor_forward() -> tuple[torch.Tensor, ...]:
+            return (x @ w_cat.t(),)
 
     forward = {
-        "fused": lambda: lora_qkv(x, *fused_weights),
+        "fastft": lambda: fastft_forward(group, x, fused_weights),
         "peft": lambda: model(x),
         "floor": floor_forward,
     }
-    resident = (x, w_cat, dy_cat, *dense, *upstream, *lora_params.values(), *model.parameters())
-    peft_layer = f"{type(model.base_model.model.q_proj).__module__}.{type(model.base_model.model.q_proj).__name__}"
-    return Workload(x, upstream, [dy_cat], lora_params, dense, scales, forward, resident, peft_layer)
+    resident = (
+        *leaves,
+        *floor_weights,
+        *floor_upstream,
+        *dense,
+        *upstream,
+        *lora_params.values(),
+        *model.parameters(),
+    )
+    first = getattr(model.base_model.model, names[0])
+    peft_layer = f"{type(first).__module__}.{type(first).__name__}"
+    return Workload(
+        group, x, upstream, floor_upstream, leaves, lora_params, dense, scales, forward, resident, peft_layer, names
+    )
+
+
+@contextlib.contextmanager
+def gemm_mode(system: str) -> Iterator[None]:
+    """Run a fastft system's calls with its GEMM mode forced and ``FASTFT_NF4_DEQUANT`` as it needs (the
+    environment is restored after; fastft reads it on every call)."""
+    mode, decode = SYSTEM_MODES[system]
+    previous = os.environ.get(NF4_DEQUANT_ENV)
+    if decode is None:
+        os.environ.pop(NF4_DEQUANT_ENV, None)
+    else:
+        os.environ[NF4_DEQUANT_ENV] = decode
+    try:
+        with gemm_tuner.force(mode):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop(NF4_DEQUANT_ENV, None)
+        else:
+            os.environ[NF4_DEQUANT_ENV] = previous
+
+
+def in_mode(system: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run under ``system``'s GEMM mode (fastft systems); peft and floor run as they are."""
+    if system not in SYSTEM_MODES:
+        return fn
+
+    def wrapped() -> Any:
+        with gemm_mode(system):
+            return fn()
+
+    return wrapped
+
+
+def system_forward(workload: Workload, system: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+    if system in SYSTEM_MODES:
+        return in_mode(system, workload.forward["fastft"])
+    return workload.forward[system]
 
 
 def clear_grads(workload: Workload) -> None:
-    """Drop the gradients of x and every LoRA parameter (so none accumulates, and their memory is free)."""
-    workload.x.grad = None
+    """Drop the gradients of the inputs and every LoRA parameter (so none accumulates, and their memory is free)."""
+    for leaf in workload.leaves:
+        leaf.grad = None
     for param in workload.lora_params.values():
         param.grad = None
 
 
 def make_step(workload: Workload, system: str) -> Callable[[], None]:
     """One forward + backward of ``system``; gradients are cleared first so none accumulates across steps."""
-    forward = workload.forward[system]
+    forward = workload.forward["fastft" if system in SYSTEM_MODES else system]
     upstream = workload.floor_upstream if system == "floor" else workload.upstream
 
     def step() -> None:
@@ -224,7 +381,7 @@ def make_step(workload: Workload, system: str) -> Callable[[], None]:
         outputs = forward()
         torch.autograd.backward(list(outputs), list(upstream))
 
-    return step
+    return in_mode(system, step)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -234,23 +391,35 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def _results(workload: Workload, system: str) -> dict[str, torch.Tensor]:
     """Outputs (concatenated), dX and every LoRA gradient of one step of ``system``."""
-    clear_grads(workload)
-    outputs = workload.forward[system]()
-    torch.autograd.backward(list(outputs), list(workload.upstream))
-    found = {"output": torch.cat([out.detach() for out in outputs], dim=-1), "grad_x": workload.x.grad.clone()}
-    for name, param in workload.lora_params.items():
-        found[f"grad_{name}"] = param.grad.clone()
-    return found
+    forward = workload.forward["fastft" if system in SYSTEM_MODES else system]
+
+    def step() -> dict[str, torch.Tensor]:
+        clear_grads(workload)
+        outputs = forward()
+        torch.autograd.backward(list(outputs), list(workload.upstream))
+        found = {"output": torch.cat([out.detach() for out in outputs], dim=-1), "grad_x": workload.x.grad.clone()}
+        for name, param in workload.lora_params.items():
+            found[f"grad_{name}"] = param.grad.clone()
+        return found
+
+    return in_mode(system, step)()
 
 
 def _float64_results(workload: Workload) -> dict[str, torch.Tensor]:
-    """The same function as the fused and peft systems, every operand upcast to float64, by autograd."""
+    """The same function as the fastft and peft systems, every operand upcast to float64, by autograd."""
     x = workload.x.detach().double().requires_grad_()
     params = {name: p.detach().double().requires_grad_() for name, p in workload.lora_params.items()}
-    outputs = []
-    for name, weight, scale in zip(PROJECTIONS, workload.dense, workload.scales, strict=True):
+
+    def project(inputs: torch.Tensor, index: int) -> torch.Tensor:
+        name = workload.names[index]
+        weight, scale = workload.dense[index].double(), workload.scales[index]
         a, b = params[f"{name}.lora_A"], params[f"{name}.lora_B"]
-        outputs.append(x @ weight.double().t() + scale * (x @ a.t()) @ b.t())
+        return inputs @ weight.t() + scale * (inputs @ a.t()) @ b.t()
+
+    if workload.group == "mlp":
+        outputs = [project(F.silu(project(x, 0)) * project(x, 1), 2)]
+    else:
+        outputs = [project(x, index) for index in range(len(workload.names))]
     torch.autograd.backward(outputs, [g.double() for g in workload.upstream])
     found = {"output": torch.cat([out.detach() for out in outputs], dim=-1), "grad_x": x.grad}
     for name, param in params.items():
@@ -267,17 +436,6 @@ def _compare(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
         "grad_lora_max": max(lora),
         "max": max(errors.values()),
         "per_tensor": errors,
-    }
-
-
-def check_correctness(workload: Workload) -> dict[str, Any]:
-    """Relative errors of fused against peft, and of each against float64, on one step's outputs and gradients."""
-    fused, peft = _results(workload, "fused"), _results(workload, "peft")
-    exact = _float64_results(workload)
-    return {
-        "fused_vs_peft": _compare(fused, peft),
-        "fused_vs_float64": _compare(fused, exact),
-        "peft_vs_float64": _compare(peft, exact),
     }
 
 
@@ -344,94 +502,162 @@ def saved_bytes(forward: Callable[[], tuple[torch.Tensor, ...]], resident: tuple
 def _before_memory_step(workload: Workload, system: str) -> None:
     # The previous system's gradients would otherwise be freed inside the measured step.
     clear_grads(workload)
-    if system == "fused":
+    if system in SYSTEM_MODES:
         # The fused NF4 path keeps one dequantisation buffer across calls; free it so this step pays for it, as a
         # model's first layer does (peft / bitsandbytes allocate theirs on every call).
         release_buffers()
 
 
-NF4_KERNEL_DECODE = "fused_nf4_decoded_in_kernel"
+def probe_system(workload: Workload, system: str, device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:
+    """One step of a fastft system from a clean slate of tuner choices: its results, the GEMM choices it made and
+    how long that first call took (for ``auto`` on a GPU, the tuning; for ``triton``, the compilation)."""
+    gemm_tuner.reset()
+    _sync(device)
+    begin = time.perf_counter()
+    found = _results(workload, system)
+    _sync(device)
+    first_call_s = time.perf_counter() - begin
+    return found, {"first_call_s": first_call_s, "choices": gemm_tuner.choices()}
 
 
-def _with_nf4_decode(step: Callable[[], Any], mode: str) -> Callable[[], Any]:
-    """``step`` run with ``FASTFT_NF4_DEQUANT=mode`` (read by fastft on every call), the environment restored after."""
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
 
-    def wrapped() -> Any:
-        previous = os.environ.get(NF4_DEQUANT_ENV)
-        os.environ[NF4_DEQUANT_ENV] = mode
-        try:
-            return step()
-        finally:
-            if previous is None:
-                os.environ.pop(NF4_DEQUANT_ENV, None)
-            else:
-                os.environ[NF4_DEQUANT_ENV] = previous
 
-    return wrapped
+def _ratios(medians: dict[str, float]) -> dict[str, float]:
+    """Every ratio the targets and the README read, for the systems that ran."""
+    ratios = {}
+    for system in (*FASTFT_SYSTEMS, "peft"):
+        if system in medians and "floor" in medians:
+            ratios[f"{system}_over_floor"] = medians[system] / medians["floor"]
+    for system in ("triton", "auto"):
+        if system in medians and "cublas" in medians:
+            ratios[f"{system}_over_cublas"] = medians[system] / medians["cublas"]
+    for system in FASTFT_SYSTEMS:
+        if system in medians and "peft" in medians:
+            ratios[f"peft_over_{system}"] = medians["peft"] / medians[system]
+    return ratios
+
+
+def _noise(samples: dict[str, list[float]]) -> float | None:
+    """Tolerance of ``auto / cublas``: the interquartile range of the per-round ratios ``auto_i / cublas_i`` (both
+    timed in the same round, so slow drift cancels), at least ``NOISE_MIN``. When auto picked cuBLAS the two run the
+    same code, and this range is what comparing a path with itself reads."""
+    if "auto" not in samples or "cublas" not in samples:
+        return None
+    paired = [a / c for a, c in zip(samples["auto"], samples["cublas"], strict=True)]
+    low, high = _quartiles(paired)
+    return max(NOISE_MIN, high - low)
+
+
+def evaluate_targets(row: dict[str, Any], judged: bool) -> list[dict[str, Any]]:
+    """The issue's targets for one row, each with the measured value, the limit and ``met`` (None when not judged:
+    the targets are about the GPU's Triton dispatch, not a CPU or the interpreter)."""
+    ratios, targets = row["ratios"], []
+
+    def add(name: str, measured: float | None, limit: float, at_most: bool) -> None:
+        if measured is None:
+            return
+        met = (measured <= limit if at_most else measured >= limit) if judged else None
+        targets.append({"target": name, "measured": measured, "limit": limit, "met": met})
+
+    noise = row["auto_over_cublas_noise"]
+    if noise is not None:
+        add("auto <= cublas x (1 + noise)", ratios.get("auto_over_cublas"), 1 + noise, True)
+    if row["group"] == "qkv":
+        add("auto <= floor x 1.15", ratios.get("auto_over_floor"), TARGET_QKV_OVER_FLOOR, True)
+        add("peft >= auto x 1.5", ratios.get("peft_over_auto"), TARGET_PEFT_OVER_QKV, False)
+    return targets
 
 
 def run_one(
-    name: str, shape: Shape, weights: str, dtype: torch.dtype, device: torch.device, settings: dict
+    name: str,
+    shape: Shape,
+    group: str,
+    weights: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    systems: list[str],
+    settings: dict,
 ) -> dict[str, Any]:
-    """Build one workload, check it, time the three systems and measure their memory; the JSON-ready row."""
-    workload = build_workload(shape, weights, dtype, device, settings["seed"])
+    """Build one workload, check it, time the systems and measure their memory; the JSON-ready row."""
+    workload = build_workload(shape, group, weights, dtype, device, settings["seed"])
     probe = workload.x
-    correctness = check_correctness(workload)
-    steps = {system: make_step(workload, system) for system in SYSTEMS}
-    steps["fused"] = _with_nf4_decode(steps["fused"], "buffer")
-    decode_check = None
-    if weights == "nf4":
-        # The issue's question for 4-bit bases: decode into one reused buffer, or inside the GEMM? Time both.
-        steps[NF4_KERNEL_DECODE] = _with_nf4_decode(make_step(workload, "fused"), "kernel")
-        with torch.no_grad():
-            buffered = _with_nf4_decode(workload.forward["fused"], "buffer")()
-            decoded = _with_nf4_decode(workload.forward["fused"], "kernel")()
-        decode_check = max(_relative_error(d, b) for d, b in zip(decoded, buffered, strict=True))
+    fastft_systems = [system for system in systems if system in SYSTEM_MODES]
+    # The NF4 decode question: the Triton kernel decoding 4-bit tiles in its K loop against the reused buffer.
+    decode_base = next((s for s in ("triton", "auto") if s in fastft_systems), None) if weights == "nf4" else None
+    # auto last: the probe that tunes leaves its choice in the tuner's memory for the timed steps (the others reset
+    # it), so the samples time exactly the choice recorded here.
+    probed = [s for s in fastft_systems if s != "auto"] + ([NF4_IN_KERNEL] if decode_base else [])
+    probed += ["auto"] if "auto" in fastft_systems else []
+
+    results, gemm = {}, {}
+    for system in probed:
+        results[system], gemm[system] = probe_system(workload, system, device)
+    correctness: dict[str, Any] = {}
+    if "peft" in systems:
+        results["peft"] = _results(workload, "peft")
+    exact = _float64_results(workload)
+    for system in fastft_systems:
+        if "peft" in results:
+            correctness[f"{system}_vs_peft"] = _compare(results[system], results["peft"])
+        correctness[f"{system}_vs_float64"] = _compare(results[system], exact)
+    if "peft" in results:
+        correctness["peft_vs_float64"] = _compare(results["peft"], exact)
+    decode_check = (
+        _relative_error(results[NF4_IN_KERNEL]["output"], results[decode_base]["output"]) if decode_base else None
+    )
+    del results, exact
+
+    steps = {system: make_step(workload, system) for system in systems}
+    if decode_base:
+        steps[NF4_IN_KERNEL] = make_step(workload, NF4_IN_KERNEL)
     samples = time_systems(steps, device, settings["repeats"], settings["warmup"], settings["inner"])
     medians = {system: statistics.median(values) for system, values in samples.items()}
 
     memory = {
         system: peak_memory(steps[system], device, functools.partial(_before_memory_step, workload, system))
-        for system in SYSTEMS
+        for system in steps
     }
-    saved = {system: saved_bytes(workload.forward[system], workload.resident) for system in SYSTEMS}
+    saved = {system: saved_bytes(system_forward(workload, system), workload.resident) for system in steps}
 
-    m, k, n = shape.tokens, shape.hidden, shape.q_out + 2 * shape.kv_out
-    base_flops = 2 * 2 * m * k * n  # x Wᵀ forward and dY W backward
+    flops = base_flops(shape, group)
+    judged = device.type == "cuda" and dispatch.use_triton(probe)
     row = {
         "shape": name,
+        "group": group,
+        "projections": workload.names,
         "dims": asdict(shape),
         "weights": weights,
         "compute_dtype": str(dtype).removeprefix("torch."),
         "lora_scale": workload.scales[0],
         "peft_layer": workload.peft_layer,
+        # The kernels' device dispatch; which GEMM each fastft system then ran is in gemm_choices.
         "fastft_path": "triton" if dispatch.use_triton(probe) else "reference",
+        "gemm_paths": {system: sorted({c["path"] for c in gemm[system]["choices"]}) for system in gemm},
+        "gemm_choices": gemm,
         "ms": medians,
         "samples_ms": samples,
-        "fused_over_floor": medians["fused"] / medians["floor"],
-        "peft_over_fused": medians["peft"] / medians["fused"],
-        "base_flops": base_flops,
-        "base_tflop_per_s": {system: base_flops / (ms * 1e-3) / 1e12 for system, ms in medians.items()},
+        "ratios": _ratios(medians),
+        "auto_over_cublas_noise": _noise(samples),
+        "base_flops": flops,
+        "base_tflop_per_s": {system: flops / (ms * 1e-3) / 1e12 for system, ms in medians.items()},
         "memory": memory,
         "saved_for_backward_bytes": saved,
         "correctness": correctness,
     }
-    if weights == "nf4":
+    if decode_base:
         row["nf4_decode"] = {
-            "buffer_ms": medians["fused"],
-            "in_kernel_ms": medians[NF4_KERNEL_DECODE],
-            "faster": "buffer" if medians["fused"] <= medians[NF4_KERNEL_DECODE] else "in_kernel",
+            "buffer_system": decode_base,
+            "buffer_ms": medians[decode_base],
+            "in_kernel_ms": medians[NF4_IN_KERNEL],
+            "faster": "buffer" if medians[decode_base] <= medians[NF4_IN_KERNEL] else "in_kernel",
             "in_kernel_vs_buffer_relative_error": decode_check,
         }
-    # The targets are about the Triton kernel on a GPU; a reference-path or CPU run neither meets nor misses them.
-    row["meets_targets"] = (
-        {
-            "fused_over_floor": row["fused_over_floor"] <= TARGET_FUSED_OVER_FLOOR,
-            "peft_over_fused": row["peft_over_fused"] >= TARGET_PEFT_OVER_FUSED,
-        }
-        if device.type == "cuda" and row["fastft_path"] == "triton"
-        else None
-    )
+    row["targets"] = evaluate_targets(row, judged)
     del workload, steps, probe
     release_buffers()
     gc.collect()
@@ -444,35 +670,142 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
+def _ms(row: dict[str, Any], system: str) -> str:
+    value = row["ms"].get(system)
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _auto_path(row: dict[str, Any]) -> str:
+    choices = row["gemm_choices"].get("auto", {}).get("choices", [])
+    return ",".join(f"{c['group']}:{c['path']}" for c in choices) or "-"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of the medians, ratios, memory and the fused-vs-peft error of every run."""
+    """A fixed-width table of the medians, the targeted ratios, memory, the auto path and the error vs peft."""
     header = (
-        f"{'shape':13s} {'weights':7s} {'fused ms':>9s} {'peft ms':>9s} {'floor ms':>9s} {'fused/floor':>11s} "
-        f"{'peft/fused':>10s} {'peak MiB fused/peft/floor':>26s} {'err vs peft':>11s}"
+        f"{'shape':13s} {'group':5s} {'weights':7s} "
+        + " ".join(f"{system + ' ms':>10s}" for system in SYSTEMS)
+        + f" {'auto/cublas':>11s} {'noise':>6s} {'auto/floor':>10s} {'peft/auto':>9s} {'peak MiB auto':>13s} "
+        f"{'err vs peft':>11s}  auto path"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
-        ms, memory = row["ms"], row["memory"]
-        peaks = "/".join(
-            _mib(memory[system]["peak_above_start_bytes"] if memory[system] else None) for system in SYSTEMS
-        )
+        ratios = row["ratios"]
+        memory = row["memory"].get("auto")
+        errors = [value["max"] for key, value in row["correctness"].items() if key.endswith("_vs_peft")]
         lines.append(
-            f"{row['shape']:13s} {row['weights']:7s} {ms['fused']:9.3f} {ms['peft']:9.3f} {ms['floor']:9.3f} "
-            f"{row['fused_over_floor']:11.3f} {row['peft_over_fused']:10.2f} {peaks:>26s} "
-            f"{row['correctness']['fused_vs_peft']['max']:11.1e}"
+            f"{row['shape']:13s} {row['group']:5s} {row['weights']:7s} "
+            + " ".join(f"{_ms(row, system):>10s}" for system in SYSTEMS)
+            + f" {_fmt(ratios.get('auto_over_cublas'), '.3f'):>11s} {_fmt(row['auto_over_cublas_noise'], '.3f'):>6s}"
+            f" {_fmt(ratios.get('auto_over_floor'), '.3f'):>10s} {_fmt(ratios.get('peft_over_auto'), '.2f'):>9s}"
+            f" {_mib(memory['peak_above_start_bytes'] if memory else None):>13s}"
+            f" {_fmt(max(errors) if errors else None, '.1e'):>11s}  {_auto_path(row)}"
         )
         decode = row.get("nf4_decode")
         if decode:
             lines.append(
-                f"{'':13s} {'':7s} NF4 decoded in the GEMM: {decode['in_kernel_ms']:.3f} ms against "
-                f"{decode['buffer_ms']:.3f} ms through the buffer ({decode['faster']} faster; outputs differ by "
-                f"{decode['in_kernel_vs_buffer_relative_error']:.1e})"
+                f"{'':13s} {'':5s} {'':7s} NF4 decoded in the GEMM: {decode['in_kernel_ms']:.3f} ms against "
+                f"{decode['buffer_ms']:.3f} ms through the buffer ({decode['buffer_system']}; {decode['faster']} "
+                f"faster; outputs differ by {decode['in_kernel_vs_buffer_relative_error']:.1e})"
             )
     return "\n".join(lines)
 
 
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per row and target: what the README's target table is drawn from."""
+    return [
+        {"shape": row["shape"], "group": row["group"], "weights": row["weights"], **target}
+        for row in rows
+        for target in row["targets"]
+    ]
+
+
+def format_targets(summary: list[dict[str, Any]]) -> str:
+    lines = []
+    for entry in summary:
+        verdict = {True: "met", False: "NOT MET", None: "not judged (no GPU Triton dispatch)"}[entry["met"]]
+        lines.append(
+            f"{entry['shape']} {entry['group']} {entry['weights']}: {entry['target']}: {entry['measured']:.3f} "
+            f"(limit {entry['limit']:.3f}) {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _shape_with_tokens(shape: Shape, tokens: int | None) -> Shape:
+    return shape if tokens is None else Shape(**{**asdict(shape), "tokens": tokens})
+
+
+def _tuning_weights(
+    shape: Shape, group: str, weights: str, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, list[LoRAWeights]]:
+    """fastft's projections of one group (no peft) and an input, for the tuning run."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = []
+    specs = projections_of(shape, group)
+    for _, out_features, in_features in specs:
+        layer, _ = _linear(weights, torch.randn(out_features, in_features, generator=gen) * 0.02, dtype, device)
+        a = (torch.randn(shape.rank, in_features, generator=gen) / math.sqrt(in_features)).to(device, dtype)
+        b = (torch.randn(out_features, shape.rank, generator=gen) * 0.02).to(device, dtype)
+        fused.append(LoRAWeights(layer.weight, a.requires_grad_(), b.requires_grad_(), 1.0))
+    x = torch.randn(shape.tokens, specs[0][2], generator=gen).to(device, dtype).requires_grad_()
+    return x, fused
+
+
+def cases(
+    shapes: list[str], formats: list[str], groups: list[str], device: torch.device, args: argparse.Namespace
+) -> Iterator[tuple[str, Any, str, str, torch.dtype]]:
+    """Every (shape name, shape at --tokens, group, weight format, compute dtype) the run measures, in order."""
+    for name in shapes:
+        shape = _shape_with_tokens(SHAPES[name], args.tokens)
+        for weights in formats:
+            dtype = _compute_dtype(weights, args, device)
+            for group in groups:
+                yield name, shape, group, weights, dtype
+
+
+def tune_only(
+    shapes: list[str], formats: list[str], groups: list[str], device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One forward + backward of every group under ``FASTFT_GEMM=auto``: on a GPU this tunes each (dtype, shape
+    bucket) and fills the cache; the record holds every choice and how long each group's first call took."""
+    runs = []
+    for name, shape, group, weights, dtype in cases(shapes, formats, groups, device, args):
+        x, fused = _tuning_weights(shape, group, weights, dtype, device, args.seed)
+        with gemm_mode("auto"):
+            _sync(device)
+            begin = time.perf_counter()
+            outputs = fastft_forward(group, x, fused)
+            torch.autograd.backward(list(outputs), [torch.ones_like(out) for out in outputs])
+            _sync(device)
+        seconds = time.perf_counter() - begin
+        runs.append({"shape": name, "group": group, "weights": weights, "tokens": shape.tokens, "s": seconds})
+        print(f"{name} {group} {weights}: first forward + backward {seconds:.2f} s", flush=True)
+        del x, fused, outputs
+        release_buffers()
+    return {"benchmark": "gemm_tuning", "runs": runs, "choices": gemm_tuner.choices()}
+
+
+def _compute_dtype(weights: str, args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    if weights == "nf4":
+        return DTYPES[args.nf4_compute or ("bf16" if device.type == "cuda" else "fp32")]
+    return DTYPES[weights]
+
+
+def _output_path(args: argparse.Namespace, device_name: str, shapes: list[str], default_shapes: tuple) -> Path:
+    if args.out is not None:
+        return args.out
+    stem = "gemm-tuning" if args.tune_only else "lora"
+    # A run over fewer shapes than the default gets its own name, so two halves of one GPU run don't overwrite.
+    suffix = "" if tuple(shapes) == tuple(default_shapes) else "-" + "-".join(shapes)
+    return (args.out_dir or RESULTS) / f"{stem}-{device_slug(device_name)}{suffix}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, run every shape × weight format, print the table and write the JSON."""
+    """Parse the command line, run every shape × group × weight format, print the tables and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -481,6 +814,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(SHAPES),
         default=None,
         help="default: the Llama shapes on CUDA, tiny on CPU",
+    )
+    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=None, help="default: all on CUDA, qkv on CPU")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=None,
+        help="timed systems, alternated in this order; default all on CUDA, auto peft floor on CPU",
     )
     parser.add_argument(
         "--dtypes",
@@ -502,7 +843,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--inner", type=int, default=None, help="steps per timed sample (default 5 on CUDA, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/lora-<device>.json)")
+    parser.add_argument(
+        "--tune-only",
+        action="store_true",
+        help="only run each group once under FASTFT_GEMM=auto (fills the tuning cache) and write the choices",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default <out-dir>/lora-<device>.json)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="folder for the default JSON name (bench/results)")
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -511,54 +858,89 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     if cuda and dispatch.INTERPRETED:
         parser.error("TRITON_INTERPRET=1 runs the Triton kernels in the interpreter; unset it for a GPU run")
-    shapes = args.shapes or list(GPU_SHAPES if cuda else CPU_SHAPES)
+    default_shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    shapes = args.shapes or list(default_shapes)
+    # On CPU the default stays the one group it always timed: every extra group is another peft build and float64
+    # check, and CPU times say nothing about the GPU's GEMM choice anyway.
+    groups = args.groups or list(GROUPS if cuda else CPU_GROUPS)
     formats = args.dtypes or (["bf16", "nf4"] if cuda else ["fp32", "nf4"])
-    nf4_compute = DTYPES[args.nf4_compute or ("bf16" if cuda else "fp32")]
+    wanted = set(args.systems or (SYSTEMS if cuda else CPU_SYSTEMS))
+    systems = [system for system in SYSTEMS if system in wanted]
     settings = {
         "repeats": args.repeats if args.repeats is not None else (30 if cuda else 5),
         "warmup": args.warmup if args.warmup is not None else (5 if cuda else 3),
         "inner": args.inner if args.inner is not None else (5 if cuda else 1),
         "seed": args.seed,
         "tokens_override": args.tokens,
-        "order": list(SYSTEMS),
+        "groups": groups,
+        "order": systems,
         "lora": {"lora_alpha": 16, "lora_dropout": 0.0, "adapter_dtype": "compute dtype", "autocast": False},
         "timer": "torch.cuda.Event" if cuda else "time.perf_counter",
         "triton_interpret": dispatch.INTERPRETED,
-        "targets": {"fused_over_floor_max": TARGET_FUSED_OVER_FLOOR, "peft_over_fused_min": TARGET_PEFT_OVER_FUSED},
+        "targets": {
+            "auto_over_cublas_max": "1 + max(NOISE_MIN, IQR of the per-round auto/cublas ratios)",
+            "noise_min": NOISE_MIN,
+            "qkv_auto_over_floor_max": TARGET_QKV_OVER_FLOOR,
+            "qkv_peft_over_auto_min": TARGET_PEFT_OVER_QKV,
+        },
     }
     if min(settings["repeats"], settings["inner"]) < 1 or settings["warmup"] < 0:
         parser.error("--repeats and --inner must be at least 1, --warmup at least 0")
     if cuda:
         settings["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    if args.tune_only:
+        # Nothing is timed against anything: only what decides the tuner's buckets.
+        settings = {
+            "seed": args.seed,
+            "tokens_override": args.tokens,
+            "groups": groups,
+            "formats": formats,
+            "step": "one forward + backward per group, FASTFT_GEMM=auto, FASTFT_NF4_DEQUANT unset",
+        }
 
-    rows = []
-    for name in shapes:
-        shape = SHAPES[name]
-        if args.tokens is not None:
-            shape = Shape(shape.hidden, shape.q_out, shape.kv_out, shape.rank, args.tokens)
-        for weights in formats:
-            dtype = nf4_compute if weights == "nf4" else DTYPES[weights]
-            row = run_one(name, shape, weights, dtype, device, settings)
+    cache_file = gemm_tuner.cache_file()
+    gemm = {
+        # What the caller's environment asked for; each system forces its own mode regardless.
+        "env": {name: os.environ.get(name) for name in (gemm_tuner.GEMM_ENV, NF4_DEQUANT_ENV, gemm_tuner.CACHE_ENV)},
+        "cache_file": str(cache_file),
+        # A cache that existed before the run means auto may have read its choices instead of timing them now.
+        "cache_existed_before": cache_file.exists(),
+    }
+    started = time.perf_counter()
+    if args.tune_only:
+        record = tune_only(shapes, formats, groups, device, args)
+    else:
+        rows = []
+        for name, shape, group, weights, dtype in cases(shapes, formats, groups, device, args):
+            row = run_one(name, shape, group, weights, dtype, device, systems, settings)
             rows.append(row)
-            print(
-                f"{name} {weights}: fused {row['ms']['fused']:.3f} ms, peft {row['ms']['peft']:.3f} ms, "
-                f"floor {row['ms']['floor']:.3f} ms",
-                flush=True,
-            )
+            timed = ", ".join(f"{system} {ms:.3f}" for system, ms in row["ms"].items())
+            print(f"{name} {group} {weights}: {timed} ms; auto ran {_auto_path(row)}", flush=True)
+        record = {"benchmark": "lora_groups", "runs": rows, "summary": summarise(rows)}
+        # Every choice each fastft system made, row by row (the tuner keeps only the latest per bucket itself).
+        gemm["choices"] = [
+            {"shape": row["shape"], "row_group": row["group"], "weights": row["weights"], "system": system, **choice}
+            for row in rows
+            for system, made in row["gemm_choices"].items()
+            for choice in made["choices"]
+        ]
+        print(format_table(rows))
+        print(format_targets(record["summary"]))
 
     record = {
-        "benchmark": "lora_qkv",
+        "benchmark": record.pop("benchmark"),
         "device": describe_device(device),
         "device_type": device.type,
         "versions": package_versions(("torch", "triton", "peft", "bitsandbytes", "transformers", "fastft")),
         "cuda": torch.version.cuda if cuda else None,
+        "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
         "python": platform.python_version(),
+        "duration_s": round(time.perf_counter() - started, 1),
         "settings": settings,
-        "runs": rows,
+        "gemm": gemm,
+        **record,
     }
-    table = format_table(rows)
-    print(table)
-    output = args.out or RESULTS / f"lora-{device_slug(record['device'])}.json"
+    output = _output_path(args, record["device"], shapes, default_shapes)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {output}")

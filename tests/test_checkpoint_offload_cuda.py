@@ -14,7 +14,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fastft import FastModel
 from fastft.checkpoint import engine_of
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA copy path needs a GPU")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA copy path needs a GPU"),
+]
 
 
 def _model(mode, layers=4, hidden=256, dropout=0.0, dtype=torch.float32):
