@@ -55,12 +55,13 @@ def _loss_and_grads(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
 
 
-def _assert_equal_to_stock(model, folder) -> None:
+def _assert_equal_to_stock(model, folder, loss_tolerance: float = 1e-6, grad_tolerance: float = 1e-6) -> None:
     stock, _ = _load(folder, patch=False)
     loss, grads = _loss_and_grads(model)
     stock_loss, stock_grads = _loss_and_grads(stock)
-    assert relative_error(loss, stock_loss) <= 1e-6
-    assert all(relative_error(a, b) <= 1e-6 for a, b in zip(grads, stock_grads, strict=True))
+    assert relative_error(loss, stock_loss) <= loss_tolerance
+    errors = [relative_error(a, b) for a, b in zip(grads, stock_grads, strict=True)]
+    assert max(errors) <= grad_tolerance, max(errors)
 
 
 def _stock_types(model) -> bool:
@@ -108,7 +109,8 @@ def test_changed_upstream_signature_skips_that_patch_only(tiny_llama_dir, monkey
     assert "sliding_window=None" in rows["llama.attention"]["reason"]
     assert rows["llama.rms_norm"]["status"] == rows["llama.mlp"]["status"] == "applied"
     assert type(model.model.layers[0].self_attn) is upstream.LlamaAttention
-    _assert_equal_to_stock(model, tiny_llama_dir)
+    # The norm, MLP and loss still run fused: equal to stock within the parity tolerances, not bit for bit.
+    _assert_equal_to_stock(model, tiny_llama_dir, loss_tolerance=1e-5, grad_tolerance=1e-4)
 
 
 def test_strict_mode_raises_before_changing_the_model(tiny_llama_dir, monkeypatch):
