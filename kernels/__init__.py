@@ -10,6 +10,7 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
 ``apply_rope(q, k, cos, sin)``  rotate-half rotary embedding of q [b, h, s, d] and k [b, kv, s, d] in one launch;
                                 ``position_ids=`` indexes cos/sin tables for packed rows; ``inplace=``.
 ``swiglu(gate, up)``            ``silu(gate) * up``; backward writes the gradients over the saved inputs.
+``geglu(gate, up)``             ``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh``), backward in place too.
 ``fused_linear_cross_entropy``  ``(hidden, weight, labels, *, ignore_index, num_items_in_batch, chunk_size)``:
                                 causal-LM loss of ``hidden @ weight.T`` without the [tokens, vocab] logits.
 ``dequantize_nf4(packed, qs)``  bitsandbytes NF4 weight to dense [out, in], bit-identical to bitsandbytes.
@@ -17,7 +18,10 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
 ``lora_qkv(x, q, k, v)``        q, k, v projections with LoRA (:class:`LoRAWeights`) in one GEMM launch, the
                                 low-rank term in its epilogue; 16-bit or NF4 bases; hand-written backward.
 ``lora_o(x, o)``                one projection with LoRA, the same way (attention's o_proj).
-``lora_mlp(x, gate, up, down)`` Llama's SwiGLU MLP with LoRA on all three projections; H recomputed in backward.
+``lora_mlp(x, gate, up, down)`` Llama's SwiGLU MLP with LoRA on all three projections; H recomputed in backward;
+                                ``activation="gelu_tanh"`` for Gemma's GeGLU MLP.
+``lora_gate_up_mlp``            the same over a packed gate_up projection (Phi-3): ``(x, gate_up, down)``.
+``lora_packed_qkv``             a packed q | k | v projection (Phi-3) in one launch, split at the given widths.
 ==============================  ==============================================================================
 """
 
@@ -27,8 +31,10 @@ from fastft.kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from fastft.kernels.errors import ShapeContractError
-from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_mlp
+from fastft.kernels.geglu import GeGLUFunction, geglu, geglu_reference
+from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_gate_up_mlp, lora_mlp
 from fastft.kernels.lora_o import LoRAOFunction, lora_o
+from fastft.kernels.lora_packed_qkv import LoRAPackedQKVFunction, lora_packed_qkv
 from fastft.kernels.lora_projection import LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import LoRAQKVFunction, lora_qkv
 from fastft.kernels.nf4 import NF4LinearFunction, dequantize_nf4, dequantize_nf4_reference, nf4_linear
@@ -38,8 +44,10 @@ from fastft.kernels.swiglu import SwiGLUFunction, swiglu, swiglu_reference
 
 __all__ = [
     "FusedLinearCrossEntropyFunction",
+    "GeGLUFunction",
     "LoRAMLPFunction",
     "LoRAOFunction",
+    "LoRAPackedQKVFunction",
     "LoRAQKVFunction",
     "LoRAWeights",
     "NF4LinearFunction",
@@ -51,9 +59,13 @@ __all__ = [
     "dequantize_nf4",
     "dequantize_nf4_reference",
     "fused_linear_cross_entropy",
+    "geglu",
+    "geglu_reference",
     "linear_cross_entropy_reference",
+    "lora_gate_up_mlp",
     "lora_mlp",
     "lora_o",
+    "lora_packed_qkv",
     "lora_qkv",
     "nf4_linear",
     "release_buffers",

@@ -194,10 +194,15 @@ def _nf4_weight(out_features: int, in_features: int, dtype: torch.dtype) -> LoRA
     return LoRAWeights(_meta(((n + 1) // 2, 1), torch.uint8), quant_state=quant_state)
 
 
-def _projection(out_f: int, in_f: int, rank: int, dtype: torch.dtype, nf4: bool) -> LoRAWeights:
+def _projection(out_f: int, in_f: int, rank: int, dtype: torch.dtype, nf4: bool, bias: bool = False) -> LoRAWeights:
     base = _nf4_weight(out_f, in_f, dtype) if nf4 else LoRAWeights(_meta((out_f, in_f), dtype))
     return LoRAWeights(
-        base.weight, _meta((rank, in_f), dtype, True), _meta((out_f, rank), dtype, True), 2.0, base.quant_state
+        base.weight,
+        _meta((rank, in_f), dtype, True),
+        _meta((out_f, rank), dtype, True),
+        2.0,
+        base.quant_state,
+        _meta((out_f,), dtype) if bias else None,
     )
 
 
@@ -206,10 +211,14 @@ def _groups(model: Model, rank: int, dtype: torch.dtype, nf4: bool) -> Iterator[
 
     q_width, kv_width = model.heads * model.head_dim, model.kv_heads * model.head_dim
 
-    def qkv() -> None:
-        x = _meta((1, TOKENS, model.hidden), dtype, True)
-        projections = [_projection(w, model.hidden, rank, dtype, nf4) for w in (q_width, kv_width, kv_width)]
-        _backward(lora_qkv(x, *projections), [x])
+    def qkv(bias: bool) -> Callable[[], None]:
+        def run() -> None:
+            x = _meta((1, TOKENS, model.hidden), dtype, True)
+            widths = (q_width, kv_width, kv_width)
+            projections = [_projection(w, model.hidden, rank, dtype, nf4, bias) for w in widths]
+            _backward(lora_qkv(x, *projections), [x])
+
+        return run
 
     def o() -> None:
         x = _meta((1, TOKENS, q_width), dtype, True)
@@ -221,15 +230,20 @@ def _groups(model: Model, rank: int, dtype: torch.dtype, nf4: bool) -> Iterator[
         down = _projection(model.hidden, model.intermediate, rank, dtype, nf4)
         _backward(lora_mlp(x, gate, up, down), [x])
 
-    yield from (("lora_qkv", qkv), ("lora_o", o), ("lora_mlp", mlp))
+    # The biased q / k / v (Qwen2 / Qwen2.5) last: the kernels' HAS_BIAS variant; the others are the unbiased one.
+    yield from (("lora_qkv", qkv(False)), ("lora_o", o), ("lora_mlp", mlp), ("lora_qkv bias", qkv(True)))
 
 
 def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:
-    from fastft.kernels import apply_rope, dequantize_nf4, fused_linear_cross_entropy, rms_norm, swiglu
+    from fastft.kernels import apply_rope, dequantize_nf4, fused_linear_cross_entropy, geglu, rms_norm, swiglu
 
     def norm() -> None:
         x, w = _meta((1, TOKENS, model.hidden), dtype, True), _meta((model.hidden,), dtype, True)
         _backward(rms_norm(x, w, 1e-5), [x, w])
+
+    def norm_gemma() -> None:
+        x, w = _meta((1, TOKENS, model.hidden), dtype, True), _meta((model.hidden,), dtype, True)
+        _backward(rms_norm(x, w, 1e-6, offset=1.0, cast_before_weight=False), [x, w])
 
     def rope(tables: bool) -> Callable[[], None]:
         def run() -> None:
@@ -246,10 +260,20 @@ def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[]
         gate, up = (_meta((1, TOKENS, model.intermediate), dtype, True) for _ in range(2))
         _backward(swiglu(gate * 1, up * 1), [gate, up])
 
+    def geglu_gate() -> None:
+        gate, up = (_meta((1, TOKENS, model.intermediate), dtype, True) for _ in range(2))
+        _backward(geglu(gate * 1, up * 1), [gate, up])
+
     def loss() -> None:
         hidden = _meta((TOKENS, model.hidden), dtype, True)
         weight = _meta((model.vocab, model.hidden), dtype)
         _backward(fused_linear_cross_entropy(hidden, weight, _meta((TOKENS,), torch.int64)), [hidden])
+
+    def loss_softcap() -> None:
+        hidden = _meta((TOKENS, model.hidden), dtype, True)
+        weight = _meta((model.vocab, model.hidden), dtype)
+        labels = _meta((TOKENS,), torch.int64)
+        _backward(fused_linear_cross_entropy(hidden, weight, labels, softcap=30.0), [hidden])
 
     def nf4() -> None:
         weight = _nf4_weight(model.intermediate, model.hidden, dtype)
@@ -257,10 +281,13 @@ def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[]
 
     yield from (
         ("rms_norm", norm),
+        ("rms_norm gemma", norm_gemma),
         ("apply_rope", rope(False)),
         ("apply_rope position_ids", rope(True)),
         ("swiglu", glu),
+        ("geglu", geglu_gate),
         ("fused_linear_cross_entropy", loss),
+        ("fused_linear_cross_entropy softcap", loss_softcap),
         ("dequantize_nf4", nf4),
     )
 

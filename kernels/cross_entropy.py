@@ -11,6 +11,11 @@ Semantics follow transformers' ``ForCausalLMLoss`` / ``fixed_cross_entropy`` (5.
 non-ignored tokens, or the sum divided by ``num_items_in_batch`` when it is given (what makes gradient accumulation
 exact). Labels are taken as already aligned with ``hidden``: the caller shifts them.
 
+``softcap=c`` (Gemma 2/3's ``final_logit_softcapping``) caps the logits at ``tanh(logits / c) * c`` before the loss,
+inside the row kernel, so the capped logits are never materialised either. The gradient of a capped logit is the
+softmax gradient times ``1 - tanh(logits / c)²``, computed as ``sech²`` (``4e / (1 + e)²`` with ``e = exp(-2|u|)``)
+rather than ``1 - t²``, which loses its digits where ``|tanh|`` is close to 1.
+
 Deliberate differences from ``F.cross_entropy``:
 
 - every label ignored (and no ``num_items_in_batch``): the loss is 0.0 with zero gradients, not NaN. A batch of pure
@@ -21,6 +26,9 @@ Deliberate differences from ``F.cross_entropy``:
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
@@ -39,6 +47,26 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _tanh_softcap(x, cap):
+    """``(tanh(x / cap) * cap, 1 - tanh(x / cap)²)`` in fp32, from ``exp`` alone.
+
+    Neither ``tl`` nor ``tl.math`` has a tanh in triton 3.9, and ``libdevice.tanh`` returns None in the interpreter.
+    ``e = exp(-2|u|)`` lies in (0, 1], so nothing overflows for any finite or infinite ``u``; below |u| = 1/8, where
+    ``1 - e`` would cancel, tanh is its odd Taylor series (truncation error under 1e-11 relative). The derivative is
+    ``sech²(u) = 4e / (1 + e)²``, accurate also where tanh is close to ±1.
+    """
+    u = x / cap
+    magnitude = tl.abs(u)
+    e = tl.exp(-2.0 * magnitude)
+    one_plus_e = 1.0 + e
+    u2 = u * u
+    series = magnitude * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 + u2 * (62.0 / 2835.0)))))
+    t = tl.where(magnitude < 0.125, series, (1.0 - e) / one_plus_e)
+    t = tl.where(u < 0.0, -t, t)
+    return t * cap, 4.0 * e / (one_plus_e * one_plus_e)
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr,
     logits_row_stride,
@@ -48,15 +76,24 @@ def _cross_entropy_rows_kernel(
     loss_ptr,
     n_cols,
     ignore_index,
+    softcap,
     WRITE_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per row: its loss (lse − target logit) and, if asked, softmax − onehot over the row."""
+    """One program per row: its loss (lse − target logit) and, if asked, softmax − onehot over the row.
+
+    With ``SOFTCAP`` the row's logits are first capped at ``tanh(x / softcap) * softcap`` (recomputed in each pass,
+    never stored) and the gradient is multiplied by the cap's derivative; without it ``softcap`` is unused.
+    """
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_row_stride
     grad_row = grad_ptr + row * grad_row_stride
     label = tl.load(labels_ptr + row)
     offsets = tl.arange(0, BLOCK)
+    if SOFTCAP:
+        # A Python float argument is a plain float in the interpreter (no .to()); tl.cast works in both.
+        cap = tl.cast(softcap, tl.float32)
 
     if label == ignore_index:
         tl.store(loss_ptr + row, 0.0)
@@ -75,7 +112,14 @@ def _cross_entropy_rows_kernel(
     running_sum = 0.0
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
-        x = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        mask = cols < n_cols
+        if SOFTCAP:
+            # Masked columns load 0 and are set to -inf after the cap (tanh would turn -inf into -softcap).
+            x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            x, _ = _tanh_softcap(x, cap)
+            x = tl.where(mask, x, float("-inf"))
+        else:
+            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         # Every block holds at least one real column, so new_max is finite and exp(-inf - new_max) is a clean 0.
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
@@ -83,6 +127,8 @@ def _cross_entropy_rows_kernel(
     lse = running_max + tl.log(running_sum)
     # Read before the gradient pass below overwrites the row (the gradient may be written in place).
     target = tl.load(logits_row + label).to(tl.float32)
+    if SOFTCAP:
+        target, _ = _tanh_softcap(target, cap)
     tl.store(loss_ptr + row, lse - target)
 
     if WRITE_GRAD:
@@ -90,8 +136,12 @@ def _cross_entropy_rows_kernel(
             cols = start + offsets
             mask = cols < n_cols
             x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                x, slope = _tanh_softcap(x, cap)
             prob = tl.exp(x - lse)
             grad = tl.where(cols == label, prob - 1.0, prob)
+            if SOFTCAP:
+                grad = grad * slope
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,6 +152,7 @@ def _cross_entropy_rows_triton(
     ignore_index: int,
     loss_out: torch.Tensor,
     write_grad: bool,
+    softcap: float | None = None,
 ) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -116,7 +167,9 @@ def _cross_entropy_rows_triton(
         loss_out,
         n_cols,
         ignore_index,
+        1.0 if softcap is None else float(softcap),
         WRITE_GRAD=write_grad,
+        SOFTCAP=softcap is not None,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
@@ -129,12 +182,22 @@ def _cross_entropy_rows_torch(
     ignore_index: int,
     loss_out: torch.Tensor,
     write_grad: bool,
+    softcap: float | None = None,
 ) -> None:
     """The row kernel in torch ops: same outputs; ``logits`` is scratch (overwritten, in place, like the kernel).
 
     torch.logsumexp would allocate a second [rows, vocab] temporary; exponentiating in place keeps the transient
-    memory of the CPU path at the one chunk buffer.
+    memory of the CPU path at the one chunk buffer. A soft cap that needs gradients costs one more chunk-sized
+    temporary, the cap's derivative, which the kernel recomputes instead.
     """
+    slope = None
+    if softcap is not None:
+        # The same ops as tanh(logits / c) * c, in place; sech²(u) = 1 / cosh²(u) is the derivative of tanh(u)
+        # (cosh overflowing to inf for |u| > 89 gives the right limit, 0).
+        scaled = logits.div_(softcap)
+        if write_grad:
+            slope = torch.cosh(scaled).square_().reciprocal_()
+        logits = scaled.tanh_().mul_(softcap)
     valid = labels != ignore_index
     safe_labels = labels.masked_fill(~valid, 0)
     target = logits.gather(1, safe_labels.unsqueeze(1)).squeeze(1)
@@ -148,6 +211,8 @@ def _cross_entropy_rows_torch(
     probs = exps.div_(row_sum)
     probs.scatter_add_(1, safe_labels.unsqueeze(1), valid.to(probs.dtype).neg_().unsqueeze(1))
     probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+    if slope is not None:
+        probs.mul_(slope)
     if grad is not probs:
         grad.copy_(probs)
 
@@ -167,6 +232,17 @@ def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
     return max(1, min(rows, num_tokens))
 
 
+def _check_softcap(name: str, softcap: float | None) -> None:
+    if softcap is None:
+        return
+    is_number = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+    if not (is_number and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"{name}: softcap must be a finite number > 0 or None, got {softcap!r}; pass the model config's "
+            "final_logit_softcapping (e.g. 30.0 for Gemma 2/3), or None (the default) when the model has no cap."
+        )
+
+
 def _validate(
     name: str,
     hidden: torch.Tensor,
@@ -174,8 +250,10 @@ def _validate(
     labels: torch.Tensor,
     ignore_index: int,
     chunk_size: int | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the inputs and return hidden as [T, H] and labels as contiguous int64 [T]."""
+    _check_softcap(name, softcap)
     if weight.dim() != 2:
         raise ShapeContractError(
             f"{name}: weight must be the LM head [vocab, hidden], got shape {tuple(weight.shape)}; "
@@ -240,6 +318,7 @@ def _chunked_forward(
     chunk_size: int,
     need_dh: bool,
     need_dw: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Row losses [T] (fp32) and the unscaled gradients d(Σ row losses)/d hidden [T, H], /d weight [V, H] (fp32).
 
@@ -277,7 +356,7 @@ def _chunked_forward(
         else:
             torch.mm(hidden_mm, weight_mm.t(), out=logits)
         grad = grad_buffer[: stop - start] if grad_buffer is not None else logits
-        row_kernel(logits, grad, labels[start:stop], ignore_index, row_loss[start:stop], write_grad)
+        row_kernel(logits, grad, labels[start:stop], ignore_index, row_loss[start:stop], write_grad, softcap)
 
         if need_dh:
             if upcast:
@@ -303,9 +382,10 @@ def _chunked_forward(
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd Function for :func:`fused_linear_cross_entropy`; gradients are computed in forward.
 
-    ``apply(hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size)`` with the meanings of
-    :func:`fused_linear_cross_entropy` (all positional). Saved for backward: d hidden [T, H] in hidden's dtype,
-    d weight [V, H] in fp32 when weight requires grad, and the 0-dim denominator; never the logits.
+    ``apply(hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap)`` with the meanings of
+    :func:`fused_linear_cross_entropy` (all positional; the last four may be left out). Saved for backward:
+    d hidden [T, H] in hidden's dtype, d weight [V, H] in fp32 when weight requires grad, and the 0-dim denominator;
+    never the logits.
     """
 
     @staticmethod
@@ -317,9 +397,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ignore_index: int = -100,
         num_items_in_batch: int | torch.Tensor | None = None,
         chunk_size: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         name = "FusedLinearCrossEntropyFunction"
-        hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size)
+        hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size, softcap)
         denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
         chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
         row_loss, grad_hidden, grad_weight = _chunked_forward(
@@ -330,6 +411,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             chunk,
             need_dh=ctx.needs_input_grad[0],
             need_dw=ctx.needs_input_grad[1],
+            softcap=softcap,
         )
         # save_for_backward, not ctx attributes: saved-tensor hooks (offloading, memory accounting) must see them.
         ctx.save_for_backward(grad_hidden, grad_weight, denominator)
@@ -348,7 +430,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             out_hidden = (grad_hidden * factor).view(ctx.hidden_shape)
         if grad_weight is not None:
             out_weight = torch.mul(grad_weight, factor, out=dispatch.empty_like(grad_weight, dtype=ctx.weight_dtype))
-        return out_hidden, out_weight, None, None, None, None
+        return out_hidden, out_weight, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -359,6 +441,7 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the [tokens, vocab] logits.
 
@@ -376,6 +459,9 @@ def fused_linear_cross_entropy(
             by zero (inf, or NaN when every label is ignored).
         chunk_size: Tokens per chunk; default :func:`default_chunk_size`. Bounds the transient logits at
             ``chunk_size × V`` fp32 values.
+        softcap: Final-logit soft cap ``c``: the loss is taken over ``tanh(logits / c) * c`` (Gemma 2/3's
+            ``final_logit_softcapping``), applied chunk by chunk inside the fused computation. None: no cap, the
+            plain kernel.
 
     Returns:
         The loss, a 0-dim float32 tensor. Gradients flow to ``hidden`` and, if it requires grad, ``weight``, in
@@ -385,18 +471,28 @@ def fused_linear_cross_entropy(
         ShapeContractError: ``weight`` is not 2-D, ``hidden``'s last dim is not ``weight``'s, ``labels`` does not
             have ``hidden``'s leading shape, or a label is outside [0, V) and not ``ignore_index``.
         TypeError: Unsupported or mismatched dtypes.
+        ValueError: ``softcap`` is not None and not a finite number > 0; ``chunk_size`` is not a positive int.
     """
+    name = "fused_linear_cross_entropy"
+    # Checked here too so that the message names this function, not the autograd Function behind it.
+    _check_softcap(name, softcap)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size
+            hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap
         )
     # No graph will be built: skip the gradient pass of the row kernel and the two gradient matmuls.
-    name = "fused_linear_cross_entropy"
-    hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size)
+    hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size, softcap)
     denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
     chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
     row_loss, _, _ = _chunked_forward(
-        hidden_2d.detach(), weight.detach(), flat_labels, ignore_index, chunk, need_dh=False, need_dw=False
+        hidden_2d.detach(),
+        weight.detach(),
+        flat_labels,
+        ignore_index,
+        chunk,
+        need_dh=False,
+        need_dw=False,
+        softcap=softcap,
     )
     return row_loss.sum() / denominator
 
@@ -408,6 +504,7 @@ def linear_cross_entropy_reference(
     *,
     ignore_index: int = -100,
     num_items_in_batch: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The naive baseline: fp32 logits ``hidden @ weight.T`` in full, then ``F.cross_entropy``; autograd-differentiable.
 
@@ -420,12 +517,17 @@ def linear_cross_entropy_reference(
         labels: Aligned integer labels with ``hidden``'s leading shape.
         ignore_index: Label value to skip.
         num_items_in_batch: Divisor for the summed loss; default the number of non-ignored labels.
+        softcap: If given, the loss is over ``tanh(logits / softcap) * softcap`` (Gemma 2/3).
 
     Returns:
         The 0-dim float32 loss.
     """
-    hidden_2d, flat_labels = _validate("linear_cross_entropy_reference", hidden, weight, labels, ignore_index, None)
+    hidden_2d, flat_labels = _validate(
+        "linear_cross_entropy_reference", hidden, weight, labels, ignore_index, None, softcap
+    )
     logits = hidden_2d.float() @ weight.float().t()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     total = torch.nn.functional.cross_entropy(logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     return total / _denominator(flat_labels, ignore_index, num_items_in_batch)
 

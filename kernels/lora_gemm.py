@@ -1,14 +1,16 @@
 """One GEMM launch for up to three projections of the same input, with the LoRA term added in its epilogue.
 
 For segment ``i`` (q, k, v; or gate, up; or a single o / down projection) with dense base weight ``W_i [N_i, K]``,
-LoRA ``B_i [N_i, r_i]`` and scale ``s_i``:
+optional frozen base bias ``b_i [N_i]``, LoRA ``B_i [N_i, r_i]`` and scale ``s_i``:
 
-    Y_i = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ
+    Y_i = X W_iᵀ + b_i + s_i (X A_iᵀ) B_iᵀ
 
 ``X A_iᵀ`` (``xa``, every segment's ranks side by side, [M, Σ r_i]) is a small GEMM the caller runs first; each
 program of the kernel then computes one [BLOCK_M, BLOCK_N] tile of one segment: the K loop of ``X W_iᵀ`` into an
 fp32 accumulator, then one more ``tl.dot`` of the tile's rows of ``xa`` with ``s_i B_iᵀ`` into the same
-accumulator before the single store. No second pass reads or writes ``Y``.
+accumulator, then the tile's slice of the bias (``HAS_BIAS``; Qwen2's q / k / v carry one), before the single store.
+No second pass reads or writes ``Y``. A launch without any bias compiles with ``HAS_BIAS=False``, the kernel without
+the bias epilogue.
 
 The column blocks of the segments are numbered one after the other, so the widths may differ (GQA: q is
 ``heads · head_dim`` wide, k and v ``kv_heads · head_dim``) and need not be multiples of the block; each segment keeps
@@ -46,6 +48,9 @@ def _lora_gemm_kernel(
     y0_ptr,
     y1_ptr,
     y2_ptr,
+    bias0_ptr,
+    bias1_ptr,
+    bias2_ptr,
     M,
     K,
     n0,
@@ -54,12 +59,16 @@ def _lora_gemm_kernel(
     r0,
     r1,
     r2,
+    bias_n0,
+    bias_n1,
+    bias_n2,
     s0,
     s1,
     s2,
     stride_xm,
     stride_xam,
     HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,14 +84,14 @@ def _lora_gemm_kernel(
     # Every branch must give each name the same type for the compiler, so the first rank offset is r0 * 0 (a
     # runtime int32 like the others), not the constant 0.
     if pid_n < blocks0:
-        w_ptr, b_ptr, y_ptr = w0_ptr, b0_ptr, y0_ptr
-        n, r, rank_start, scale, block = n0, r0, r0 * 0, s0, pid_n
+        w_ptr, b_ptr, y_ptr, bias_ptr = w0_ptr, b0_ptr, y0_ptr, bias0_ptr
+        n, r, rank_start, scale, block, bias_n = n0, r0, r0 * 0, s0, pid_n, bias_n0
     elif pid_n < blocks0 + blocks1:
-        w_ptr, b_ptr, y_ptr = w1_ptr, b1_ptr, y1_ptr
-        n, r, rank_start, scale, block = n1, r1, r0, s1, pid_n - blocks0
+        w_ptr, b_ptr, y_ptr, bias_ptr = w1_ptr, b1_ptr, y1_ptr, bias1_ptr
+        n, r, rank_start, scale, block, bias_n = n1, r1, r0, s1, pid_n - blocks0, bias_n1
     else:
-        w_ptr, b_ptr, y_ptr = w2_ptr, b2_ptr, y2_ptr
-        n, r, rank_start, scale, block = n2, r2, r0 + r1, s2, pid_n - blocks0 - blocks1
+        w_ptr, b_ptr, y_ptr, bias_ptr = w2_ptr, b2_ptr, y2_ptr, bias2_ptr
+        n, r, rank_start, scale, block, bias_n = n2, r2, r0 + r1, s2, pid_n - blocks0 - blocks1, bias_n2
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,6 +114,8 @@ def _lora_gemm_kernel(
         acc = add_lora_term(
             acc, xa_ptr, stride_xam, b_ptr, rows, cols, row_ok, col_ok, r, rank_start, scale, PRECISION, BLOCK_R
         )
+    if HAS_BIAS:
+        acc = add_bias(acc, bias_ptr, cols, bias_n)
     store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n)
 
 
@@ -140,6 +151,14 @@ def add_lora_term(
 
 
 @triton.jit
+def add_bias(acc, bias_ptr, cols, bias_n):
+    """The epilogue's bias: this tile's columns of the segment's contiguous [n] bias (in x's dtype), added to the fp32
+    accumulator. A segment without a bias in a biased launch has ``bias_n == 0``, so its load is masked off."""
+    bias = tl.load(bias_ptr + cols, mask=cols < bias_n, other=0.0)
+    return acc + bias.to(tl.float32)[None, :]
+
+
+@triton.jit
 def store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n):
     """Store one tile of a contiguous [M, n] output, rounded once to its dtype."""
     y = y_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
@@ -151,25 +170,35 @@ def segment_arguments(
     outputs: list[torch.Tensor],
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> dict[str, list]:
     """Per-slot launch arguments of the three-segment kernels, padded to three slots.
 
     A padded slot has width 0 (no column block) and rank 0; a segment without B gets x as a stand-in pointer of
-    the same dtype (the compiler wants one pointer type per name), which rank 0 keeps from being read.
+    the same dtype (the compiler wants one pointer type per name), which rank 0 keeps from being read. Biases the
+    same way: a segment without one gets x and bias width 0, which masks off every bias load.
     """
     pad = 3 - len(outputs)
     ranks = [0 if b is None else b.shape[1] for b in lora_b]
+    biases = [None] * len(outputs) if biases is None else list(biases)
     return {
         "y": [*outputs, *[outputs[0]] * pad],
         "b": [b if b is not None else x for b in lora_b] + [x] * pad,
+        "bias": [bias if bias is not None else x for bias in biases] + [x] * pad,
         "n": [out.shape[1] for out in outputs] + [0] * pad,
         "r": ranks + [0] * pad,
+        "bias_n": [0 if bias is None else bias.shape[0] for bias in biases] + [0] * pad,
         "s": [float(v) for v in scales] + [0.0] * pad,
     }
 
 
 def launch_settings(
-    x: torch.Tensor, xa: torch.Tensor | None, ranks: Sequence[int], widths: Sequence[int], config: GemmConfig
+    x: torch.Tensor,
+    xa: torch.Tensor | None,
+    ranks: Sequence[int],
+    widths: Sequence[int],
+    config: GemmConfig,
+    bias_widths: Sequence[int] = (),
 ) -> dict:
     """Grid, block sizes and flags shared by the three-segment kernels, for one configuration."""
     has_lora = xa is not None and sum(ranks) > 0
@@ -178,6 +207,7 @@ def launch_settings(
         "xa": xa if has_lora else x,
         "meta": {
             "HAS_LORA": has_lora,
+            "HAS_BIAS": any(bias_widths),
             # None: triton's default for 16-bit operands.
             "PRECISION": "ieee" if x.dtype == torch.float32 else None,
             "BLOCK_R": max(16, triton.next_power_of_2(max(ranks))) if has_lora else 16,
@@ -206,8 +236,9 @@ def lora_gemm_triton(
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
     config: GemmConfig,
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Launch the kernel: ``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ for each segment]``.
+    """Launch the kernel: ``[x @ W_iᵀ + b_i + s_i · xa_i @ B_iᵀ for each segment]``.
 
     Args:
         x: [M, K], rows may be strided, columns contiguous.
@@ -216,6 +247,7 @@ def lora_gemm_triton(
         lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None for a segment without LoRA.
         scales: Per segment LoRA scale.
         config: Tile sizes, warps and stages (:mod:`fastft.kernels.gemm_configs`).
+        biases: Per segment a contiguous [N_i] bias in x's dtype, or None; None for no bias at all.
 
     Returns:
         One new contiguous [M, N_i] tensor per segment, in x's dtype.
@@ -225,9 +257,9 @@ def lora_gemm_triton(
     if m == 0 or sum(w.shape[0] for w in weights) == 0:
         return outputs
     if k == 0:
-        return [out.zero_() for out in outputs]
-    slots = segment_arguments(x, outputs, lora_b, scales)
-    launch = launch_settings(x, xa, slots["r"], slots["n"], config)
+        return bias_only(outputs, biases)
+    slots = segment_arguments(x, outputs, lora_b, scales, biases)
+    launch = launch_settings(x, xa, slots["r"], slots["n"], config, slots["bias_n"])
     w = [*weights, *[weights[0]] * (3 - len(weights))]
     kernel = _lora_gemm_kernel[launch["grid"]](
         x,
@@ -235,10 +267,12 @@ def lora_gemm_triton(
         *w,
         *slots["b"],
         *slots["y"],
+        *slots["bias"],
         m,
         k,
         *slots["n"],
         *slots["r"],
+        *slots["bias_n"],
         *slots["s"],
         x.stride(0),
         launch["xa"].stride(0),
@@ -248,19 +282,29 @@ def lora_gemm_triton(
     return outputs
 
 
+def bias_only(outputs: list[torch.Tensor], biases: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
+    """The outputs of an empty K (``x`` has no columns): every row is the segment's bias, or zeros without one."""
+    biases = [None] * len(outputs) if biases is None else biases
+    pairs = zip(outputs, biases, strict=True)
+    return [out.zero_() if bias is None else out.copy_(bias.expand_as(out)) for out, bias in pairs]
+
+
 def lora_gemm_reference(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
     xa: torch.Tensor | None,
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """:func:`lora_gemm_triton` with torch's matmuls: the base GEMM, then the low-rank term added in place (``addmm_``
-    into the same output, no extra [M, N] temporary)."""
+    """:func:`lora_gemm_triton` with torch's matmuls: the base GEMM, its bias taken by the GEMM itself (``addmm`` with
+    the [N] bias broadcast, cuBLAS's bias epilogue on CUDA), then the low-rank term added in place (``addmm_`` into
+    the same output). No extra [M, N] temporary."""
+    biases = [None] * len(weights) if biases is None else biases
     outputs = []
     start = 0
-    for weight, b, scale in zip(weights, lora_b, scales, strict=True):
-        out = torch.mm(x, weight.t())
+    for weight, b, scale, bias in zip(weights, lora_b, scales, biases, strict=True):
+        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         if b is not None and xa is not None:
             rank = b.shape[1]
             out.addmm_(xa[:, start : start + rank], b.t(), alpha=scale)
@@ -270,7 +314,9 @@ def lora_gemm_reference(
 
 
 __all__ = [
+    "add_bias",
     "add_lora_term",
+    "bias_only",
     "last_kernel",
     "launch_settings",
     "lora_gemm_reference",

@@ -23,7 +23,15 @@ import torch
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.gemm_configs import GemmConfig
-from fastft.kernels.lora_gemm import add_lora_term, launch_settings, remember, segment_arguments, store_tile
+from fastft.kernels.lora_gemm import (
+    add_bias,
+    add_lora_term,
+    bias_only,
+    launch_settings,
+    remember,
+    segment_arguments,
+    store_tile,
+)
 from fastft.kernels.nf4 import _block_absmax_reference, _nf4_table, _resolve
 
 
@@ -45,6 +53,9 @@ def _lora_gemm_nf4_kernel(
     y0_ptr,
     y1_ptr,
     y2_ptr,
+    bias0_ptr,
+    bias1_ptr,
+    bias2_ptr,
     M,
     K,
     n0,
@@ -53,6 +64,9 @@ def _lora_gemm_nf4_kernel(
     r0,
     r1,
     r2,
+    bias_n0,
+    bias_n1,
+    bias_n2,
     bs0,
     bs1,
     bs2,
@@ -62,6 +76,7 @@ def _lora_gemm_nf4_kernel(
     stride_xm,
     stride_xam,
     HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALE_PER_COLUMN: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -75,14 +90,14 @@ def _lora_gemm_nf4_kernel(
     blocks1 = tl.cdiv(n1, BLOCK_N)
     # Same segment selection as the 16-bit kernel; every branch gives each name the same (runtime) type.
     if pid_n < blocks0:
-        q_ptr, absmax_ptr, b_ptr, y_ptr = q0_ptr, absmax0_ptr, b0_ptr, y0_ptr
-        n, r, rank_start, blocksize, scale, block = n0, r0, r0 * 0, bs0, s0, pid_n
+        q_ptr, absmax_ptr, b_ptr, y_ptr, bias_ptr = q0_ptr, absmax0_ptr, b0_ptr, y0_ptr, bias0_ptr
+        n, r, rank_start, blocksize, scale, block, bias_n = n0, r0, r0 * 0, bs0, s0, pid_n, bias_n0
     elif pid_n < blocks0 + blocks1:
-        q_ptr, absmax_ptr, b_ptr, y_ptr = q1_ptr, absmax1_ptr, b1_ptr, y1_ptr
-        n, r, rank_start, blocksize, scale, block = n1, r1, r0, bs1, s1, pid_n - blocks0
+        q_ptr, absmax_ptr, b_ptr, y_ptr, bias_ptr = q1_ptr, absmax1_ptr, b1_ptr, y1_ptr, bias1_ptr
+        n, r, rank_start, blocksize, scale, block, bias_n = n1, r1, r0, bs1, s1, pid_n - blocks0, bias_n1
     else:
-        q_ptr, absmax_ptr, b_ptr, y_ptr = q2_ptr, absmax2_ptr, b2_ptr, y2_ptr
-        n, r, rank_start, blocksize, scale, block = n2, r2, r0 + r1, bs2, s2, pid_n - blocks0 - blocks1
+        q_ptr, absmax_ptr, b_ptr, y_ptr, bias_ptr = q2_ptr, absmax2_ptr, b2_ptr, y2_ptr, bias2_ptr
+        n, r, rank_start, blocksize, scale, block, bias_n = n2, r2, r0 + r1, bs2, s2, pid_n - blocks0 - blocks1, bias_n2
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,6 +130,8 @@ def _lora_gemm_nf4_kernel(
         acc = add_lora_term(
             acc, xa_ptr, stride_xam, b_ptr, rows, cols, row_ok, col_ok, r, rank_start, scale, PRECISION, BLOCK_R
         )
+    if HAS_BIAS:
+        acc = add_bias(acc, bias_ptr, cols, bias_n)
     store_tile(y_ptr, acc, rows, cols, row_ok, col_ok, n)
 
 
@@ -126,8 +143,9 @@ def lora_gemm_nf4_triton(
     lora_b: Sequence[torch.Tensor | None],
     scales: Sequence[float],
     config: GemmConfig,
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """``[x @ W_iᵀ + s_i · xa_i @ B_iᵀ]`` for one to three NF4 weights ``W_i``, decoded inside the GEMM.
+    """``[x @ W_iᵀ + b_i + s_i · xa_i @ B_iᵀ]`` for one to three NF4 weights ``W_i``, decoded inside the GEMM.
 
     Args:
         x: [M, K] on a device Triton runs on (CUDA, or CPU under the interpreter); columns contiguous.
@@ -137,6 +155,7 @@ def lora_gemm_nf4_triton(
         lora_b: Per segment a contiguous [N_i, r_i] B in x's dtype, or None.
         scales: Per segment LoRA scale.
         config: Tile sizes, warps and stages (:mod:`fastft.kernels.gemm_configs`).
+        biases: Per segment a contiguous [N_i] bias in x's dtype, or None; None for no bias at all.
 
     Returns:
         One new contiguous [M, N_i] tensor per segment, in x's dtype.
@@ -147,9 +166,9 @@ def lora_gemm_nf4_triton(
     if m == 0 or sum(r.out_features for r in resolved) == 0:
         return outputs
     if k == 0:
-        return [out.zero_() for out in outputs]
-    slots = segment_arguments(x, outputs, lora_b, scales)
-    launch = launch_settings(x, xa, slots["r"], slots["n"], config)
+        return bias_only(outputs, biases)
+    slots = segment_arguments(x, outputs, lora_b, scales, biases)
+    launch = launch_settings(x, xa, slots["r"], slots["n"], config, slots["bias_n"])
     pad = 3 - len(resolved)
     quant = [r.bytes.contiguous() for r in resolved]
     absmax = [_block_absmax_reference(r).contiguous() for r in resolved]
@@ -166,10 +185,12 @@ def lora_gemm_nf4_triton(
         *[absmax[0]] * pad,
         *slots["b"],
         *slots["y"],
+        *slots["bias"],
         m,
         k,
         *slots["n"],
         *slots["r"],
+        *slots["bias_n"],
         *blocksizes,
         *[2] * pad,
         *slots["s"],

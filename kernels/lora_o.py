@@ -1,7 +1,8 @@
 """LoRA-O: attention's output projection with its LoRA adapter, the low-rank term in the GEMM epilogue.
 
-``Y = X Wᵀ + s (X Aᵀ) Bᵀ`` over a 16-bit or NF4 base weight; the single-segment case of
-:mod:`fastft.kernels.lora_qkv`, with the same rules: X and X Aᵀ saved, never Y; the base weight frozen.
+``Y = X Wᵀ + b + s (X Aᵀ) Bᵀ`` over a 16-bit or NF4 base weight, the frozen bias ``b`` optional; the single-segment
+case of :mod:`fastft.kernels.lora_qkv`, with the same rules: X and X Aᵀ saved, never Y; the base weight and bias
+frozen.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ def lora_o(x: torch.Tensor, o: LoRAWeights) -> torch.Tensor:
 
     Args:
         x: Activations ``[..., in]`` (fp32 / fp16 / bf16); under autocast, cast to its dtype first.
-        o: The projection: base ``[out, in]`` (dense or NF4), optional A ``[r, in]`` and B ``[out, r]``.
+        o: The projection: base ``[out, in]`` (dense or NF4), optional frozen bias ``[out]``, optional A ``[r, in]``
+            and B ``[out, r]``.
 
     Returns:
         ``[..., out]``, contiguous, in the compute dtype.
 
     Raises:
-        ShapeContractError: x or the adapter does not fit the base weight (named, with both shapes).
-        TypeError: Activations or weights of an unsupported dtype.
+        ShapeContractError: x, the bias or the adapter does not fit the base weight (named, with both shapes).
+        TypeError: Activations, weights or biases of an unsupported dtype.
+        ValueError: A base weight or bias that requires grad while autograd is on (it would get no gradient).
     """
     projections = (o,)
     check_group("lora_o", ("o_proj",), x, projections)

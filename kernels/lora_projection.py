@@ -1,11 +1,14 @@
 """What the fused LoRA Functions share: the weights of one projection, and the grouped forward and backward math.
 
-For a frozen base weight ``W [out, in]``, LoRA ``A [r, in]``, ``B [out, r]`` and scale ``s``:
+For a frozen base weight ``W [out, in]``, an optional frozen base bias ``b [out]`` (Qwen2's q / k / v), LoRA
+``A [r, in]``, ``B [out, r]`` and scale ``s``:
 
-    Y  = X Wᵀ + s (X Aᵀ) Bᵀ
+    Y  = X Wᵀ + b + s (X Aᵀ) Bᵀ
     dX = dY W + s (dY B) A
     dA = s (dY B)ᵀ X
     dB = s dYᵀ (X Aᵀ)
+
+No gradient depends on ``b``, so the bias is added in forward's GEMM epilogue and backward never reads it.
 
 A group is one to three projections of the same ``X`` (q, k, v; gate, up; o; down). Forward runs one small GEMM for
 every segment's ``X Aᵀ`` at once (the A's stacked), then the base GEMM with the LoRA term, on torch's matmul (cuBLAS)
@@ -54,6 +57,8 @@ class LoRAWeights:
         lora_b: LoRA B ``[out, r]``, or None (together with ``lora_a``).
         scale: The LoRA scale (``lora_alpha / r``, or peft's ``scaling[adapter]``).
         quant_state: The NF4 quant_state; None reads ``weight.quant_state`` for a uint8 weight.
+        bias: The frozen base bias ``[out]`` (fp32 / fp16 / bf16), or None. Like the base weight it gets no gradient:
+            it is not an autograd input of the fused Functions.
     """
 
     weight: torch.Tensor
@@ -61,6 +66,7 @@ class LoRAWeights:
     lora_b: torch.Tensor | None = None
     scale: float = 1.0
     quant_state: Any = None
+    bias: torch.Tensor | None = None
 
 
 def quant_state_of(projection: LoRAWeights) -> Any:
@@ -97,7 +103,8 @@ def check_group(
     projections: Sequence[LoRAWeights],
     x_name: str = "x",
 ) -> None:
-    """Check every projection against x before any matmul: dtypes, ``[out, in]``, ``A [r, in]``, ``B [out, r]``.
+    """Check every projection against x before any matmul: dtypes, ``[out, in]``, the bias ``[out]``, ``A [r, in]``,
+    ``B [out, r]``, and that neither the base weight nor the bias wants a gradient.
 
     ``x_name`` is what the message calls the input (``"H = silu(gate) * up"`` for down_proj, say)."""
     if x.dtype not in _FLOAT_DTYPES:
@@ -127,6 +134,7 @@ def check_group(
                 "would give it no gradient; freeze it (weight.requires_grad_(False)) for LoRA, or run the module's "
                 "own forward to train it."
             )
+        _check_bias(where, projection.bias, out_features, in_features)
         a, b = projection.lora_a, projection.lora_b
         if (a is None) != (b is None):
             raise ValueError(f"{where}: pass both lora_a and lora_b, or neither (got only one).")
@@ -146,6 +154,26 @@ def check_group(
             )
         if not math.isfinite(float(projection.scale)):
             raise ValueError(f"{where}: the LoRA scale must be finite, got {projection.scale!r}.")
+
+
+def _check_bias(where: str, bias: Any, out_features: int, in_features: int) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{where}: the bias must be a tensor [out] or None, got {type(bias).__name__}.")
+    if tuple(bias.shape) != (out_features,):
+        raise ShapeContractError(
+            f"{where}: the bias must be [out] = [{out_features}] for a base weight of shape "
+            f"[{out_features}, {in_features}], got a bias of shape {list(bias.shape)}; pass the base layer's own bias."
+        )
+    if bias.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{where}: the bias must be float32 / float16 / bfloat16, got {bias.dtype}.")
+    if bias.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{where}: the bias requires grad, but the fused LoRA kernels treat the base bias as frozen and would give "
+            "it no gradient; freeze it (bias.requires_grad_(False)) for LoRA, or run the module's own forward to "
+            "train it."
+        )
 
 
 _buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -210,7 +238,8 @@ def group_forward(
     x2d: torch.Tensor, projections: Sequence[LoRAWeights], group: str
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Forward of one group: ``(outputs, xa)`` with one ``[M, out_i]`` output per segment and ``xa = X [A_0; A_1; …]ᵀ``
-    (None when no segment has LoRA). Everything is computed in x's dtype.
+    (None when no segment has LoRA). Everything is computed in x's dtype; a segment's bias, cast to it, is added in
+    the GEMM's epilogue.
 
     The base GEMM runs where :func:`fastft.kernels.gemm_tuner.choose` says for this ``group`` (``"qkv"``, ``"o"``,
     ``"gate_up"``, ``"down"``): torch's matmul (cuBLAS) with the LoRA term added in place, or the fused Triton kernel.
@@ -220,17 +249,20 @@ def group_forward(
     xa = None if stacked is None else torch.mm(x2d, stacked.t())
     lora_b = [None if p.lora_b is None else p.lora_b.detach().to(dtype).contiguous() for p in projections]
     scales = [float(p.scale) for p in projections]
+    biases = None
+    if any(p.bias is not None for p in projections):
+        biases = [None if p.bias is None else p.bias.detach().to(dtype).contiguous() for p in projections]
     packed = all(is_packed(p) for p in projections)
 
     def run(candidate: Candidate) -> list[torch.Tensor]:
         if candidate.path == "triton-nf4":
             packed_weights = [p.weight for p in projections]
             states = [quant_state_of(p) for p in projections]
-            return lora_gemm_nf4_triton(x2d, packed_weights, states, xa, lora_b, scales, candidate.config)
+            return lora_gemm_nf4_triton(x2d, packed_weights, states, xa, lora_b, scales, candidate.config, biases)
         weights = dense_weights(projections, dtype)
         if candidate.path == "triton":
-            return lora_gemm_triton(x2d, weights, xa, lora_b, scales, candidate.config)
-        return lora_gemm_reference(x2d, weights, xa, lora_b, scales)
+            return lora_gemm_triton(x2d, weights, xa, lora_b, scales, candidate.config, biases)
+        return lora_gemm_reference(x2d, weights, xa, lora_b, scales, biases)
 
     def check(candidate: Candidate) -> list[str]:
         if candidate.path == "cublas":
@@ -301,7 +333,8 @@ def group_backward(
 
 
 def save_group(ctx: Any, x: torch.Tensor, x2d: torch.Tensor, xa: torch.Tensor | None, projections) -> None:
-    """Keep what :func:`load_group` needs: X (as [M, K]), the small X Aᵀ, and references to the weights."""
+    """Keep what :func:`load_group` needs: X (as [M, K]), the small X Aᵀ, and references to the weights. Not the
+    biases: no gradient depends on them."""
     ctx.x_shape = x.shape
     ctx.count = len(projections)
     ctx.scales = [float(p.scale) for p in projections]
@@ -313,7 +346,7 @@ def save_group(ctx: Any, x: torch.Tensor, x2d: torch.Tensor, xa: torch.Tensor | 
 
 
 def load_group(ctx: Any) -> tuple[torch.Tensor, torch.Tensor | None, list[LoRAWeights]]:
-    """``(x2d, xa, projections)`` as :func:`save_group` kept them."""
+    """``(x2d, xa, projections)`` as :func:`save_group` kept them (without their biases, which backward never reads)."""
     saved = ctx.saved_tensors
     x2d, xa, rest = saved[0], saved[1], saved[2:]
     n = ctx.count
@@ -333,10 +366,11 @@ def function_inputs(projections: Sequence[LoRAWeights]) -> list[Any]:
 
 
 def rebuild(projections: Sequence[LoRAWeights], tensors: Sequence[Any]) -> list[LoRAWeights]:
-    """The projections again from a Function's arguments (the same tensors, as autograd passed them in)."""
+    """The projections again from a Function's arguments (the same tensors, as autograd passed them in); each bias,
+    not an autograd input, is taken from its projection."""
     n = len(projections)
     return [
-        LoRAWeights(tensors[i], tensors[n + i], tensors[2 * n + i], p.scale, quant_state_of(p))
+        LoRAWeights(tensors[i], tensors[n + i], tensors[2 * n + i], p.scale, quant_state_of(p), p.bias)
         for i, p in enumerate(projections)
     ]
 

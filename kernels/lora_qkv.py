@@ -1,6 +1,7 @@
 """LoRA-QKV: the q, k and v projections of attention, LoRA included, in one GEMM launch with a hand-written backward.
 
-``Q, K, V = X W_iᵀ + s_i (X A_iᵀ) B_iᵀ`` for i in q, k, v, over 16-bit or NF4 base weights; the widths may differ
+``Q, K, V = X W_iᵀ + b_i + s_i (X A_iᵀ) B_iᵀ`` for i in q, k, v, over 16-bit or NF4 base weights, with an optional
+frozen bias ``b_i`` (Qwen2 / Qwen2.5 carry one on q, k and v), added in the GEMM epilogue; the widths may differ
 (GQA). Forward saves X and the small X Aᵀ (never Q, K or V); backward gathers the three ``dX`` contributions in one
 buffer and returns dA, dB per projection; the base weights get no gradient. The math is in
 :mod:`fastft.kernels.lora_projection`, the kernel in :mod:`fastft.kernels.lora_gemm`.
@@ -60,18 +61,20 @@ def lora_qkv(
 
     Args:
         x: Hidden states ``[..., hidden]`` (fp32 / fp16 / bf16). Under autocast they are cast to its dtype first.
-        q: The q projection: base ``[heads·head_dim, hidden]``, optional A ``[r, hidden]`` and B ``[out, r]``.
+        q: The q projection: base ``[heads·head_dim, hidden]``, optional frozen bias ``[out]``, optional A
+            ``[r, hidden]`` and B ``[out, r]``.
         k: The k projection (``[kv_heads·head_dim, hidden]``).
         v: The v projection (``[kv_heads·head_dim, hidden]``).
 
     Returns:
         ``(Q, K, V)``, each ``[..., out_i]`` and contiguous, in the compute dtype. Gradients flow to x and to every
-        A and B; the base weights are frozen.
+        A and B; the base weights and biases are frozen.
 
     Raises:
-        ShapeContractError: x's last dim is not a weight's in_features, or an A / B that does not fit its base
+        ShapeContractError: x's last dim is not a weight's in_features, or a bias / A / B that does not fit its base
             weight; the message names the projection and both shapes.
-        TypeError: Activations or weights of an unsupported dtype.
+        TypeError: Activations, weights or biases of an unsupported dtype.
+        ValueError: A base weight or bias that requires grad while autograd is on (it would get no gradient).
     """
     projections = (q, k, v)
     check_group("lora_qkv", _NAMES, x, projections)

@@ -1,8 +1,19 @@
-"""RMSNorm as Llama computes it, forward and backward (dX and dW), in Triton with a plain-torch reference.
+"""RMSNorm as Llama (and Gemma) compute it, forward and backward (dX and dW), in Triton with a plain-torch reference.
 
-The casting rule is transformers' ``LlamaRMSNorm``: the row is normalised in fp32, the result is cast back to the
-input's dtype, and only then multiplied by the weight, so the output dtype is the promotion of the weight's and the
-input's dtypes. Both paths keep that rounding step, so a fp16 model gives the same numbers as the stock module.
+The default casting rule is transformers' ``LlamaRMSNorm``: the row is normalised in fp32, the result is cast back to
+the input's dtype, and only then multiplied by the weight, so the output dtype is the promotion of the weight's and
+the input's dtypes. Both paths keep that rounding step, so a fp16 model gives the same numbers as the stock module.
+
+Two keywords give the other variants transformers has:
+
+- ``offset``: the scale is ``offset + weight`` (added in fp32). Gemma 1, 2 and 3 and Qwen3-Next store a
+  zero-centred weight and scale by ``1.0 + weight``.
+- ``cast_before_weight=False``: the scale multiplies the fp32 normalised row and the product is cast to the input's
+  dtype once, at the end (``Gemma3RMSNorm``: ``(x̂ * (1.0 + weight.float())).type_as(x)``; Gemma 3n and OLMo 2 do
+  the same with ``offset=0``). The output dtype is then the input's.
+
+So ``rms_norm(x, w, eps)`` is Llama's norm and ``rms_norm(x, w, eps, offset=1.0, cast_before_weight=False)`` is
+Gemma's. dW is the same for ``offset + w`` as for ``w``.
 
 Backward saves ``x``, ``weight`` and the per-row ``rstd`` (fp32, one value per row), never the output. dW is
 accumulated in fp32: each Triton program sums its share of rows into one row of a ``[programs, hidden]`` buffer,
@@ -10,6 +21,9 @@ which is reduced by one ``sum`` afterwards (no atomics, so the result does not d
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
@@ -34,6 +48,8 @@ def _rms_norm_fwd_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
     # int64 row offsets: rows * hidden passes 2**31 at long contexts.
     row = tl.program_id(0).to(tl.int64)
@@ -43,9 +59,13 @@ def _rms_norm_fwd_kernel(
     variance = tl.sum(x * x, axis=0) / n_cols
     rstd = tl.math.rsqrt(variance + eps)
     tl.store(rstd_ptr + row, rstd)
-    # Llama rounds the normalised row to the input dtype before the weight multiply; keep that rounding.
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * rstd
+    if CAST_BEFORE_WEIGHT:
+        # Llama rounds the normalised row to the input dtype before the weight multiply; keep that rounding.
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        w = w + WEIGHT_OFFSET
     y = w * normed
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -69,11 +89,15 @@ def _rms_norm_bwd_kernel(
     BLOCK: tl.constexpr,
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        w = w + WEIGHT_OFFSET
     dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
     first_row = pid.to(tl.int64) * rows_per_program
     # The last program's share may run past the end. Bound the loop rather than masking per row: the interpreter
@@ -85,10 +109,13 @@ def _rms_norm_bwd_kernel(
         rstd = tl.load(rstd_ptr + row)
         x_hat = x * rstd
         if COMPUTE_DW:
-            # The forward multiplied the weight by the row rounded to the input dtype: that is dy/dw.
-            dw_acc += dy * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if CAST_BEFORE_WEIGHT:
+                # The forward multiplied the weight by the row rounded to the input dtype: that is dy/dw.
+                dw_acc += dy * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                dw_acc += dy * x_hat
         if COMPUTE_DX:
-            # The cast to the input dtype is treated as identity, as autograd does for .to().
+            # The casts to the input dtype are treated as identity, as autograd does for .to().
             dn = dy * w
             dot = tl.sum(dn * x_hat, axis=0) / n_cols
             dx = rstd * (dn - x_hat * dot)
@@ -97,22 +124,37 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=mask)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Llama's RMSNorm in plain torch, op for op as ``LlamaRMSNorm.forward`` (bit-identical to it).
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
+) -> torch.Tensor:
+    """RMSNorm in plain torch, op for op as ``LlamaRMSNorm.forward`` (by default) or ``Gemma3RMSNorm.forward``
+    (``offset=1.0, cast_before_weight=False``), bit-identical to either.
 
     Args:
         x: Input ``[..., hidden]``.
         weight: Scale ``[hidden]``.
         eps: Added to the mean of squares before the reciprocal square root.
+        offset: Added to the weight, in fp32, before it scales the row (Gemma: 1.0).
+        cast_before_weight: True (Llama): the normalised row is cast to ``x.dtype`` before the scale multiplies it.
+            False (Gemma): the product is formed in fp32 and cast to ``x.dtype`` once.
 
     Returns:
-        ``weight * (x / rms(x))``, normalised in fp32, cast to ``x.dtype``, then scaled; dtype is the promotion
-        of ``weight.dtype`` and ``x.dtype``. Differentiable by autograd.
+        ``(offset + weight) * (x / rms(x))`` with the chosen rounding; dtype is the promotion of ``weight.dtype``
+        and ``x.dtype`` when ``cast_before_weight``, else ``x.dtype``. Differentiable by autograd.
     """
     input_dtype = x.dtype
     hidden = x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
+    if not cast_before_weight:
+        return (hidden * (offset + weight.float())).to(input_dtype)
+    if offset != 0.0:
+        return ((offset + weight.float()) * hidden.to(input_dtype)).to(torch.promote_types(weight.dtype, input_dtype))
     return weight * hidden.to(input_dtype)
 
 
@@ -143,17 +185,24 @@ def _reference_backward(
     rstd: torch.Tensor,
     need_dx: bool,
     need_dw: bool,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The kernel's backward math in torch, on ``[rows, hidden]`` views; everything in fp32."""
     x_hat = x2.to(torch.float32) * rstd[:, None]
     dy = dy2.to(torch.float32)
     dx = dw = None
     if need_dx:
-        dn = dy * weight.to(torch.float32)
+        scale = weight.to(torch.float32)
+        if offset != 0.0:
+            scale = scale + offset
+        dn = dy * scale
         dot = (dn * x_hat).mean(-1, keepdim=True)
         dx = (rstd[:, None] * (dn - x_hat * dot)).to(x2.dtype)
     if need_dw:
-        dw = (dy * x_hat.to(x2.dtype).to(torch.float32)).sum(0).to(weight.dtype)
+        # d(offset + w)/dw = 1: the same dW as without the offset.
+        multiplied = x_hat.to(x2.dtype).to(torch.float32) if cast_before_weight else x_hat
+        dw = (dy * multiplied).sum(0).to(weight.dtype)
     return dx, dw
 
 
@@ -180,19 +229,29 @@ def _takes_triton(x: torch.Tensor) -> bool:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd Function for Llama's RMSNorm: Triton kernels where :func:`dispatch.use_triton`, else torch math.
+    """Autograd Function for RMSNorm: Triton kernels where :func:`dispatch.use_triton`, else torch math.
 
-    ``forward(ctx, x, weight, eps)`` returns the normalised tensor; ``backward`` returns ``(dx, dw, None)``,
-    skipping the dW work when ``weight`` does not require grad (and dX when ``x`` does not).
+    ``forward(ctx, x, weight, eps, offset=0.0, cast_before_weight=True)`` (the meanings of :func:`rms_norm`)
+    returns the normalised tensor; ``backward`` returns ``(dx, dw, None, None, None)``, skipping the dW work when
+    ``weight`` does not require grad (and dX when ``x`` does not).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
+        cast_before_weight: bool = True,
+    ) -> torch.Tensor:
         _check_shapes(x, weight)
+        _check_variant(offset, cast_before_weight)
+        offset = float(offset)
         hidden = x.shape[-1]
         x2 = _rows_view(x, hidden)
         rows = x2.shape[0]
-        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        out_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_before_weight else x.dtype
         if _takes_triton(x):
             y = dispatch.empty((rows, hidden), dtype=out_dtype, device=x.device)
             rstd = dispatch.empty((rows,), dtype=torch.float32, device=x.device)
@@ -209,6 +268,8 @@ class RMSNormFunction(torch.autograd.Function):
                     hidden,
                     float(eps),
                     BLOCK=block,
+                    WEIGHT_OFFSET=offset,
+                    CAST_BEFORE_WEIGHT=cast_before_weight,
                     num_warps=_num_warps(block),
                 )
             elif rows > 0:  # hidden == 0: nothing to normalise; fill rstd the way the reference would.
@@ -218,24 +279,33 @@ class RMSNormFunction(torch.autograd.Function):
             # The same ops as rms_norm_reference (so still bit-identical to LlamaRMSNorm), keeping rstd for backward
             # instead of computing the mean of squares a second time.
             rstd = _reference_rstd(x2, eps)
-            y = (weight * (x2.to(torch.float32) * rstd.unsqueeze(-1)).to(x.dtype)).contiguous()
+            normed = x2.to(torch.float32) * rstd.unsqueeze(-1)
+            if not cast_before_weight:
+                # Gemma3RMSNorm's ops: (x̂ * (offset + w.float())).type_as(x).
+                y = (normed * (offset + weight.float())).to(x.dtype).contiguous()
+            elif offset != 0.0:
+                y = ((offset + weight.float()) * normed.to(x.dtype)).to(out_dtype).contiguous()
+            else:
+                y = (weight * normed.to(x.dtype)).contiguous()
         # Only the input, the weight and one fp32 per row: the output is never kept.
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        ctx.cast_before_weight = cast_before_weight
         return y.view(x.shape)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dx or need_dw):
-            return None, None, None
+            return None, None, None, None, None
         hidden = x.shape[-1]
         x2 = _rows_view(x, hidden)
         dy2 = _rows_view(dy, hidden)
         rows = x2.shape[0]
         if not _takes_triton(x) or x2.numel() == 0:
-            dx, dw = _reference_backward(dy2, x2, weight, rstd, need_dx, need_dw)
-            return (dx.view(x.shape) if need_dx else None), dw, None
+            dx, dw = _reference_backward(dy2, x2, weight, rstd, need_dx, need_dw, ctx.offset, ctx.cast_before_weight)
+            return (dx.view(x.shape) if need_dx else None), dw, None, None, None
 
         block = triton.next_power_of_2(hidden)
         programs = _dw_programs(rows, x.device) if need_dw else rows
@@ -262,27 +332,57 @@ class RMSNormFunction(torch.autograd.Function):
             BLOCK=block,
             COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw,
+            WEIGHT_OFFSET=ctx.offset,
+            CAST_BEFORE_WEIGHT=ctx.cast_before_weight,
             num_warps=_num_warps(block, backward=True),
         )
         dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
-        return (dx.view(x.shape) if need_dx else None), dw, None
+        return (dx.view(x.shape) if need_dx else None), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Llama's RMSNorm with a fused backward that also gives dW.
+def _check_variant(offset: float, cast_before_weight: bool) -> None:
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or not math.isfinite(offset):
+        raise ValueError(
+            f"rms_norm: offset must be a finite number, got {offset!r}; pass 0.0 for Llama-style norms or 1.0 for "
+            "Gemma-style ones, whose weight is stored as (scale - 1)."
+        )
+    if not isinstance(cast_before_weight, bool):
+        raise ValueError(
+            f"rms_norm: cast_before_weight must be True or False, got {cast_before_weight!r}; True for Llama's "
+            "rounding (normalised row cast to x.dtype, then scaled), False for Gemma's (scaled in fp32, cast once)."
+        )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
+) -> torch.Tensor:
+    """RMSNorm with a fused backward that also gives dW: Llama's by default, Gemma's with
+    ``offset=1.0, cast_before_weight=False``.
 
     Args:
         x: Input ``[..., hidden]``, any layout, any number of rows (including one).
         weight: Scale ``[hidden]``; its gradient is computed only when it requires grad.
         eps: Added to the mean of squares before the reciprocal square root.
+        offset: Added to the weight in fp32; the row is scaled by ``offset + weight``. Gemma (and Qwen3-Next)
+            store ``scale - 1`` and pass 1.0. The gradient for ``weight`` is the same either way.
+        cast_before_weight: True (Llama, ``LlamaRMSNorm``): the normalised row is rounded to ``x.dtype`` before the
+            scale multiplies it. False (``Gemma3RMSNorm``, OLMo 2): the product is formed in fp32 and rounded to
+            ``x.dtype`` once.
 
     Returns:
-        A new contiguous tensor of ``x``'s shape, dtype ``torch.promote_types(weight.dtype, x.dtype)``.
+        A new contiguous tensor of ``x``'s shape; dtype ``torch.promote_types(weight.dtype, x.dtype)`` when
+        ``cast_before_weight``, else ``x.dtype``.
 
     Raises:
         ShapeContractError: ``weight`` is not 1-D of size ``x.shape[-1]``.
+        ValueError: ``offset`` is not a finite number, or ``cast_before_weight`` is not a bool.
     """
-    return RMSNormFunction.apply(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps, offset, cast_before_weight)
 
 
 __all__ = ["MAX_FUSED_HIDDEN", "RMSNormFunction", "rms_norm", "rms_norm_reference"]

@@ -26,6 +26,8 @@ tensors does not depend on the device the tensors live on.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -132,6 +134,28 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
+def save_for_in_place_backward(
+    ctx: Any,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_buffer: tuple[torch.Tensor, bool],
+    up_buffer: tuple[torch.Tensor, bool],
+) -> None:
+    """Save a gate kernel's two buffers and record which of them backward may overwrite with their gradients.
+
+    ``gate_buffer`` / ``up_buffer`` are :func:`_contiguous_buffer`'s ``(buffer, private)`` for each input."""
+    (gate_data, gate_private), (up_data, up_private) = gate_buffer, up_buffer
+    needs_gate, needs_up = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    # A leaf's storage holds the caller's values (a parameter, say), never a free scratch buffer.
+    gate_in_place = needs_gate and (gate_private or not gate.is_leaf)
+    up_in_place = needs_up and (up_private or not up.is_leaf)
+    if _overlap(gate_data, up_data):
+        gate_in_place = up_in_place = False
+    ctx.gate_in_place = gate_in_place
+    ctx.up_in_place = up_in_place
+    ctx.save_for_backward(gate_data, up_data)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """``silu(gate) * up`` whose backward writes the input gradients over the saved ``gate`` / ``up`` buffers.
 
@@ -154,15 +178,7 @@ class SwiGLUFunction(torch.autograd.Function):
         else:
             out = (F.silu(gate_buffer.float()) * up_buffer.float()).to(gate.dtype)
 
-        needs_gate, needs_up = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # A leaf's storage holds the caller's values (a parameter, say), never a free scratch buffer.
-        gate_in_place = needs_gate and (gate_private or not gate.is_leaf)
-        up_in_place = needs_up and (up_private or not up.is_leaf)
-        if _overlap(gate_buffer, up_buffer):
-            gate_in_place = up_in_place = False
-        ctx.gate_in_place = gate_in_place
-        ctx.up_in_place = up_in_place
-        ctx.save_for_backward(gate_buffer, up_buffer)
+        save_for_in_place_backward(ctx, gate, up, (gate_buffer, gate_private), (up_buffer, up_private))
         return out
 
     @staticmethod

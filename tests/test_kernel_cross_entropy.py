@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,10 +21,11 @@ from fastft.kernels.errors import ShapeContractError
 IGNORE = -100
 
 
-def make_inputs(lead, vocab, width, dtype, gen, *, ignore_fraction=0.25, weight_grad=True):
-    """hidden [*lead, H], weight [V, H] (scaled so logits are O(1), as in a trained head), labels with some ignored."""
+def make_inputs(lead, vocab, width, dtype, gen, *, ignore_fraction=0.25, weight_grad=True, logit_scale=1.0):
+    """hidden [*lead, H], weight [V, H] (scaled so logits are O(logit_scale), O(1) as in a trained head), labels with
+    some ignored."""
     hidden = random_tensor((*lead, width), dtype, gen).requires_grad_()
-    weight = random_tensor((vocab, width), dtype, gen, scale=width**-0.5).requires_grad_(weight_grad)
+    weight = random_tensor((vocab, width), dtype, gen, scale=logit_scale * width**-0.5).requires_grad_(weight_grad)
     labels = torch.randint(0, vocab, lead, generator=gen)
     drop = torch.rand(lead, generator=gen) < ignore_fraction
     drop.view(-1)[0] = False  # at least one counted token
@@ -35,11 +38,13 @@ def upstream(gen) -> torch.Tensor:
     return (0.5 + torch.rand((), generator=gen)).to(KERNEL_DEVICE)
 
 
-def reference64(hidden, weight, labels, grad, *, ignore_index=IGNORE, num_items_in_batch=None):
+def reference64(hidden, weight, labels, grad, *, ignore_index=IGNORE, num_items_in_batch=None, softcap=None):
     """Loss and gradients from F.cross_entropy on float64 logits of the same (already rounded) inputs."""
     h64 = hidden.detach().double().requires_grad_()
     w64 = weight.detach().double().requires_grad_()
     logits = h64.reshape(-1, h64.shape[-1]) @ w64.t()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     flat = labels.reshape(-1)
     if num_items_in_batch is None:
         loss = F.cross_entropy(logits, flat, ignore_index=ignore_index)
@@ -327,3 +332,93 @@ def test_zero_tokens(kernel_path, gen):
     loss.backward(upstream(gen))
     assert loss.item() == 0.0 and empty_hidden.grad.shape == (0, 32)
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+# Soft-capped logits (Gemma 2/3's final_logit_softcapping). Logits of O(8): a cap of 30 bends them a little, a cap of
+# 3 saturates many; both are far from the uncapped loss, so a kernel that skipped the cap (or its derivative) fails.
+SOFTCAPS = [30.0, 3.0]
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("lead", "vocab", "width", "chunk_size"),
+    [((67,), 1000, 123, 16), ((2, 5), 5003, 32, 3), ((1,), 1000, 32, None)],
+    # 5003: two 4096-column blocks per row, the second mostly masked; chunks of 16 and 3 leave a short last chunk.
+    ids=["67tok-v1000-h123-chunk16", "2x5-v5003-h32-chunk3", "1tok-v1000-h32"],
+)
+def test_softcap_matches_float64(kernel_path, gen, lead, vocab, width, chunk_size, dtype, softcap):
+    hidden, weight, labels = make_inputs(lead, vocab, width, dtype, gen, logit_scale=8.0)
+    grad = upstream(gen)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size, softcap=softcap)
+    loss.backward(grad)
+    check_against_float64(loss, hidden, weight, reference64(hidden, weight, labels, grad, softcap=softcap), dtype)
+
+    # The unfused fp32 computation a user would write: F.cross_entropy(tanh((h @ W.T) / c) * c, labels).
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    unfused = linear_cross_entropy_reference(h32, w32, labels, softcap=softcap)
+    unfused.backward(grad)
+    bound = max(TOLERANCE[dtype], TOLERANCE[torch.float32])
+    assert relative_error(loss, unfused) < bound
+    assert relative_error(hidden.grad, h32.grad) < bound
+    assert relative_error(weight.grad, w32.grad) < bound
+    uncapped = reference64(hidden, weight, labels, grad)[0]
+    assert relative_error(loss, uncapped) > 0.01  # the cap changes the loss far beyond the tolerance
+
+
+@pytest.mark.parametrize("num_items", [None, 50])
+def test_softcap_num_items_frozen_head_and_no_grad(kernel_path, gen, num_items):
+    hidden, weight, labels = make_inputs((2, 9), 1000, 32, torch.float32, gen, logit_scale=8.0, weight_grad=False)
+    grad = upstream(gen)
+    ref = reference64(hidden, weight, labels, grad, num_items_in_batch=num_items, softcap=3.0)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=num_items, chunk_size=4, softcap=3.0)
+    loss.backward(grad)
+    check_against_float64(loss, hidden, weight, ref, torch.float32)
+    with torch.no_grad():
+        evaluated = fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=num_items, softcap=3.0)
+    assert relative_error(evaluated, ref[0]) < TOLERANCE[torch.float32]
+
+
+def test_softcap_saturated_logits_stay_finite(kernel_path, gen):
+    """Logits of O(1000) against a cap of 30: tanh saturates, the cap's derivative underflows, nothing overflows."""
+    hidden, weight, labels = make_inputs((9,), 1000, 32, torch.float32, gen, logit_scale=1000.0)
+    grad = upstream(gen)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=4, softcap=30.0)
+    loss.backward(grad)
+    ref_loss = reference64(hidden, weight, labels, grad, softcap=30.0)[0]
+    assert relative_error(loss, ref_loss) < TOLERANCE[torch.float32]
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_softcap_none_is_the_uncapped_loss_bit_for_bit(kernel_path, gen):
+    hidden, weight, labels = make_inputs((19,), 1000, 32, torch.float32, gen)
+    results = []
+    for call in (
+        lambda: fused_linear_cross_entropy(hidden, weight, labels, chunk_size=8),
+        lambda: fused_linear_cross_entropy(hidden, weight, labels, chunk_size=8, softcap=None),
+        lambda: FusedLinearCrossEntropyFunction.apply(hidden, weight, labels, IGNORE, None, 8),  # old signature
+    ):
+        hidden.grad = weight.grad = None
+        loss = call()
+        loss.backward()
+        results.append((loss, hidden.grad, weight.grad))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+    assert torch.equal(
+        linear_cross_entropy_reference(hidden, weight, labels, softcap=None),
+        linear_cross_entropy_reference(hidden, weight, labels),
+    )
+
+
+@pytest.mark.parametrize("bad", [0.0, -30.0, float("inf"), float("nan"), True, "30"], ids=repr)
+def test_bad_softcap_raises(kernel_path, gen, bad):
+    hidden, weight, labels = make_inputs((4,), 50, 8, torch.float32, gen)
+    message = rf"fused_linear_cross_entropy: softcap must be a finite number > 0 or None, got {re.escape(repr(bad))}"
+    message += r".*final_logit_softcapping"
+    with pytest.raises(ValueError, match=message):
+        fused_linear_cross_entropy(hidden, weight, labels, softcap=bad)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        fused_linear_cross_entropy(hidden, weight, labels, softcap=bad)
+    with pytest.raises(ValueError, match="linear_cross_entropy_reference: softcap must be"):
+        linear_cross_entropy_reference(hidden, weight, labels, softcap=bad)

@@ -66,8 +66,8 @@ def test_fp32_operands_run_cublas_on_every_target():
 @pytest.mark.parametrize("capability", [80, 86, 89, 90])
 def test_forced_triton_from_8_0_launches_the_fused_gemm(monkeypatch, capability):
     monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
-    # qkv, o, gate_up, down: one launch each in forward; backward runs torch's matmul.
-    assert _launched_gemms(capability, torch.bfloat16) == ["_lora_gemm_kernel"] * 4
+    # qkv, o, gate_up, down and the biased qkv: one launch each in forward; backward runs torch's matmul.
+    assert _launched_gemms(capability, torch.bfloat16) == ["_lora_gemm_kernel"] * 5
     assert {c["path"] for c in gemm_tuner.choices()} == {"triton"}
 
 

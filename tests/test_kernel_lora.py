@@ -1,6 +1,7 @@
 """Fused LoRA projections (q/k/v, o, the SwiGLU MLP): outputs, dX, dA and dB against float64, dense and NF4 bases.
 
-Every projection is ``Y = X Wᵀ + s (X Aᵀ) Bᵀ``; the float64 reference builds that expression (and
+Every projection is ``Y = X Wᵀ + b + s (X Aᵀ) Bᵀ`` (the frozen bias ``b`` optional: Qwen2's q / k / v carry one);
+the float64 reference builds that expression (and
 ``down(silu(gate) * up)`` for the MLP) from the same rounded inputs and lets autograd differentiate it, so the
 hand-written backward is checked against an independent derivation.
 """
@@ -30,15 +31,26 @@ HIDDEN, Q_OUT, KV_OUT, INTERMEDIATE = 48, 72, 24, 80
 LEADS = [(37,), (2, 19)]
 # A (rank, scale) per projection; None: no adapter on that projection.
 Spec = tuple[int, float] | None
+# Whether each projection of a group has a frozen base bias.
+NO_BIAS = (False, False, False)
+QWEN2_BIAS = (True, True, True)  # Qwen2 / Qwen2.5: q, k and v each carry one
 
 
 def make_projection(
-    out_features: int, in_features: int, dtype: torch.dtype, gen: torch.Generator, lora: Spec, *, nf4: str = "dense"
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    lora: Spec,
+    *,
+    nf4: str = "dense",
+    bias: bool = False,
 ) -> LoRAWeights:
-    """A frozen base (dense, or NF4 from ``Params4bit`` / ``quantize_4bit``) with A and B leaves that need grad.
+    """A frozen base (dense, or NF4 from ``Params4bit`` / ``quantize_4bit``), with a frozen bias when asked, and A
+    and B leaves that need grad.
 
     Magnitudes keep every intermediate near 1, so fp16 neither overflows nor loses the low-rank term: W and A
-    ~ 1/sqrt(in), B ~ 0.1.
+    ~ 1/sqrt(in), B ~ 0.1, the bias ~ 0.5.
     """
     weight = random_tensor((out_features, in_features), dtype, gen, scale=in_features**-0.5)
     quant_state = None
@@ -51,12 +63,14 @@ def make_projection(
         weight, quant_state = bnb_functional.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
     else:
         assert nf4 == "dense", nf4
-    if lora is None:
-        return LoRAWeights(weight, quant_state=quant_state)
-    rank, scale = lora
-    lora_a = random_tensor((rank, in_features), dtype, gen, scale=in_features**-0.5).requires_grad_()
-    lora_b = random_tensor((out_features, rank), dtype, gen, scale=0.1).requires_grad_()
-    return LoRAWeights(weight, lora_a, lora_b, scale, quant_state)
+    lora_a = lora_b = None
+    scale = 1.0
+    if lora is not None:
+        rank, scale = lora
+        lora_a = random_tensor((rank, in_features), dtype, gen, scale=in_features**-0.5).requires_grad_()
+        lora_b = random_tensor((out_features, rank), dtype, gen, scale=0.1).requires_grad_()
+    base_bias = random_tensor((out_features,), dtype, gen, scale=0.5) if bias else None
+    return LoRAWeights(weight, lora_a, lora_b, scale, quant_state, base_bias)
 
 
 def base_float64(projection: LoRAWeights) -> torch.Tensor:
@@ -79,10 +93,13 @@ class Reference:
         self.weights = [base_float64(p) if cast is None else base_float64(p).to(cast).double() for p in projections]
         self.a = [None if p.lora_a is None else leaf(p.lora_a, True) for p in projections]
         self.b = [None if p.lora_b is None else leaf(p.lora_b, True) for p in projections]
+        self.bias = [None if p.bias is None else leaf(p.bias, False) for p in projections]
         self.scales = [float(p.scale) for p in projections]
 
     def project(self, i: int, x64: torch.Tensor) -> torch.Tensor:
         y = x64 @ self.weights[i].T
+        if self.bias[i] is not None:
+            y = y + self.bias[i]
         if self.a[i] is not None:
             y = y + self.scales[i] * (x64 @ self.a[i].T) @ self.b[i].T
         return y
@@ -118,8 +135,9 @@ def run_and_compare(
     else:
         assert x.grad is None
     for i, projection in enumerate(projections):
-        # The base is frozen: never a gradient, dense or packed.
+        # The base is frozen: never a gradient, dense or packed, nor for its bias.
         assert projection.weight.grad is None
+        assert projection.bias is None or projection.bias.grad is None
         if projection.lora_a is None:
             continue
         assert projection.lora_a.grad.dtype == projection.lora_a.dtype
@@ -142,23 +160,38 @@ def mlp_reference(ref: Reference) -> list[torch.Tensor]:
     return [ref.project(2, hidden)]
 
 
-def qkv_projections(dtype, gen, specs: Sequence[Spec], nf4: Sequence[str] = ("dense",) * 3) -> list[LoRAWeights]:
+def qkv_projections(
+    dtype, gen, specs: Sequence[Spec], nf4: Sequence[str] = ("dense",) * 3, biases: Sequence[bool] = NO_BIAS
+) -> list[LoRAWeights]:
     widths = (Q_OUT, KV_OUT, KV_OUT)
-    return [make_projection(w, HIDDEN, dtype, gen, s, nf4=n) for w, s, n in zip(widths, specs, nf4, strict=True)]
+    return [
+        make_projection(w, HIDDEN, dtype, gen, s, nf4=n, bias=b)
+        for w, s, n, b in zip(widths, specs, nf4, biases, strict=True)
+    ]
 
 
-def mlp_projections(dtype, gen, specs: Sequence[Spec], nf4: Sequence[str] = ("dense",) * 3) -> list[LoRAWeights]:
+def mlp_projections(
+    dtype, gen, specs: Sequence[Spec], nf4: Sequence[str] = ("dense",) * 3, biases: Sequence[bool] = NO_BIAS
+) -> list[LoRAWeights]:
     shapes = ((INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
-    return [make_projection(*shape, dtype, gen, s, nf4=n) for shape, s, n in zip(shapes, specs, nf4, strict=True)]
+    return [
+        make_projection(*shape, dtype, gen, s, nf4=n, bias=b)
+        for shape, s, n, b in zip(shapes, specs, nf4, biases, strict=True)
+    ]
 
 
 # Dense bases -------------------------------------------------------------------------------------------------------
 
+# (LoRA per projection, bias per projection).
 QKV_CASES = {
     # A different rank per projection, rank 1 among them, scales other than 1.
-    "ranks-8-1-4": [(8, 2.0), (1, 0.5), (4, 1.5)],
+    "ranks-8-1-4": ([(8, 2.0), (1, 0.5), (4, 1.5)], NO_BIAS),
     # k without an adapter between two with one: its output is the base GEMM only, its rank 0 in the stacked xa.
-    "k-without-lora": [(4, 0.25), None, (2, 3.0)],
+    "k-without-lora": ([(4, 0.25), None, (2, 3.0)], NO_BIAS),
+    # Qwen2: a frozen bias on q, k and v, added in the GEMM epilogue.
+    "qwen2-bias": ([(8, 2.0), (1, 0.5), (4, 1.5)], QWEN2_BIAS),
+    # A biased launch with q unbiased (its bias loads masked off), k biased without an adapter, v with both.
+    "mixed-bias": ([(4, 0.25), None, (2, 3.0)], (False, True, True)),
 }
 
 
@@ -166,7 +199,8 @@ QKV_CASES = {
 @pytest.mark.parametrize("lead", LEADS, ids=str)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_lora_qkv_against_float64(kernel_path, gen, dtype, lead, case):
-    projections = qkv_projections(dtype, gen, QKV_CASES[case])
+    specs, biases = QKV_CASES[case]
+    projections = qkv_projections(dtype, gen, specs, biases=biases)
     x = random_tensor((*lead, HIDDEN), dtype, gen).requires_grad_()
 
     q, k, v = run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
@@ -176,8 +210,15 @@ def test_lora_qkv_against_float64(kernel_path, gen, dtype, lead, case):
     assert q.grad_fn is k.grad_fn is v.grad_fn  # one node for the three outputs
 
 
-# rank 33: wider than the kernel's smallest rank tile (16) and not a power of two.
-O_CASES = {"rank-1": (1, 3.0), "rank-33": (33, 0.5), "no-adapter": None}
+# (LoRA, bias). rank 33: wider than the kernel's smallest rank tile (16) and not a power of two.
+O_CASES = {
+    "rank-1": ((1, 3.0), False),
+    "rank-33": ((33, 0.5), False),
+    "no-adapter": (None, False),
+    "rank-33-bias": ((33, 0.5), True),
+    # A bias without LoRA: the kernel variant with the bias epilogue and no low-rank term.
+    "no-adapter-bias": (None, True),
+}
 
 
 @pytest.mark.parametrize("case", O_CASES)
@@ -185,7 +226,8 @@ O_CASES = {"rank-1": (1, 3.0), "rank-33": (33, 0.5), "no-adapter": None}
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_lora_o_against_float64(kernel_path, gen, dtype, lead, case):
     # o_proj reads heads · head_dim and writes hidden: [48, 72], not square.
-    projection = make_projection(HIDDEN, Q_OUT, dtype, gen, O_CASES[case])
+    lora, bias = O_CASES[case]
+    projection = make_projection(HIDDEN, Q_OUT, dtype, gen, lora, bias=bias)
     x = random_tensor((*lead, Q_OUT), dtype, gen).requires_grad_()
 
     (y,) = run_and_compare(lora_o, o_reference, x, [projection], dtype, gen)
@@ -195,8 +237,10 @@ def test_lora_o_against_float64(kernel_path, gen, dtype, lead, case):
 
 
 MLP_CASES = {
-    "ranks-4-1-8": [(4, 2.0), (1, 0.5), (8, 1.25)],
-    "up-without-lora": [(2, 0.75), None, (1, 4.0)],
+    "ranks-4-1-8": ([(4, 2.0), (1, 0.5), (8, 1.25)], NO_BIAS),
+    "up-without-lora": ([(2, 0.75), None, (1, 4.0)], NO_BIAS),
+    # Llama's mlp_bias: gate and up biased before the SwiGLU, down after it.
+    "mlp-bias": ([(4, 2.0), (1, 0.5), (8, 1.25)], (True, True, True)),
 }
 
 
@@ -204,7 +248,8 @@ MLP_CASES = {
 @pytest.mark.parametrize("lead", LEADS, ids=str)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_lora_mlp_against_float64(kernel_path, gen, dtype, lead, case):
-    projections = mlp_projections(dtype, gen, MLP_CASES[case])
+    specs, biases = MLP_CASES[case]
+    projections = mlp_projections(dtype, gen, specs, biases=biases)
     x = random_tensor((*lead, HIDDEN), dtype, gen).requires_grad_()
 
     (y,) = run_and_compare(lora_mlp, mlp_reference, x, projections, dtype, gen)
@@ -286,15 +331,16 @@ def test_strided_rows_are_read_in_place(kernel_path, gen):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "nf4",
+    ("nf4", "biases"),
     [
-        ("params4bit-nested",) * 3,
-        ("params4bit-plain", "dense", "quantize_4bit"),  # a dense k between two 4-bit ones shares no buffer slot
+        (("params4bit-nested",) * 3, NO_BIAS),
+        # A dense k between two 4-bit ones shares no buffer slot; q and k biased, v (without LoRA) not.
+        (("params4bit-plain", "dense", "quantize_4bit"), (True, True, False)),
     ],
-    ids=["all-nested", "mixed"],
+    ids=["all-nested", "mixed-bias"],
 )
-def test_lora_qkv_nf4_base(kernel_path, gen, dtype, nf4):
-    projections = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), None], nf4=nf4)
+def test_lora_qkv_nf4_base(kernel_path, gen, dtype, nf4, biases):
+    projections = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), None], nf4=nf4, biases=biases)
     x = random_tensor((2, 19, HIDDEN), dtype, gen).requires_grad_()
 
     run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
@@ -390,11 +436,13 @@ def nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.parametrize("biases", [NO_BIAS, QWEN2_BIAS], ids=["no-bias", "qwen2-bias"])
 @pytest.mark.parametrize("nf4", ["dense", "params4bit-nested"])
-def test_qkv_saves_x_and_xa_only(kernel_path, gen, nf4):
+def test_qkv_saves_x_and_xa_only(kernel_path, gen, nf4, biases):
+    # The biases are not saved either: no gradient needs them (activations() does not count them as parameters).
     dtype = torch.float32
     ranks = [(8, 2.0), (1, 0.5), (4, 1.0)]
-    projections = qkv_projections(dtype, gen, ranks, nf4=(nf4,) * 3)
+    projections = qkv_projections(dtype, gen, ranks, nf4=(nf4,) * 3, biases=biases)
     x = random_tensor((37, HIDDEN), dtype, gen).requires_grad_()
 
     (q, k, v), saved = saved_during(lambda: lora_qkv(x, *projections))
@@ -453,7 +501,9 @@ def test_autocast_bf16_with_fp32_weights(gen):
     # The interpreter cannot do bf16 dots (DESIGN.md), so this checks the dtype handling on the reference path:
     # inputs cast to bf16 as F.linear does under autocast, outputs bf16, gradients in the leaves' fp32.
     dtype, compute = torch.float32, torch.bfloat16
-    qkv = qkv_projections(dtype, gen, [(4, 2.0), None, (1, 0.5)], nf4=("dense", "dense", "params4bit-nested"))
+    qkv = qkv_projections(
+        dtype, gen, [(4, 2.0), None, (1, 0.5)], nf4=("dense", "dense", "params4bit-nested"), biases=QWEN2_BIAS
+    )
     o = make_projection(HIDDEN, Q_OUT, dtype, gen, (2, 1.5))
     mlp = mlp_projections(dtype, gen, [(2, 1.0), (1, 2.0), (3, 0.5)])
     projections = [*qkv, o, *mlp]
@@ -469,7 +519,8 @@ def test_autocast_bf16_with_fp32_weights(gen):
         grads = [random_tensor(out.shape, compute, gen) for out in outputs]
         torch.autograd.backward(outputs, grads)
 
-    # float64 from the bf16-cast inputs (the 4-bit weight: its fp32 values rounded to bf16, as dequantised).
+    # float64 from the bf16-cast inputs (the 4-bit weight: its fp32 values rounded to bf16, as dequantised; the fp32
+    # biases rounded to bf16, as autocast hands them to F.linear).
     ref = Reference(x, projections, cast=compute)
     q64, k64, v64 = (ref.project(i, ref.x) for i in range(3))
     expected = [
@@ -530,6 +581,18 @@ def test_qkv_shape_errors_name_projection_and_shapes(gen):
         r"\[72, 48\], got x of shape \[2, 3, 47\]",
     ):
         lora_qkv(random_tensor((2, 3, HIDDEN - 1), dtype, gen), *projections)
+
+    wrong_bias = _replace(projections, 1, bias=torch.zeros(Q_OUT))
+    with pytest.raises(
+        ShapeContractError,
+        match=r"lora_qkv: k_proj: the bias must be \[out\] = \[24\] for a base weight of shape \[24, 48\], "
+        r"got a bias of shape \[72\]",
+    ):
+        lora_qkv(x, *wrong_bias)
+    with pytest.raises(ShapeContractError, match=r"lora_qkv: q_proj: the bias must be \[out\] = \[72\].*\[1, 72\]"):
+        lora_qkv(x, *_replace(projections, 0, bias=torch.zeros(1, Q_OUT)))
+    with pytest.raises(TypeError, match=r"lora_qkv: v_proj: the bias must be float32 / float16 / bfloat16"):
+        lora_qkv(x, *_replace(projections, 2, bias=torch.zeros(KV_OUT, dtype=torch.int64)))
 
     # GQA widths are free, but q, k and v must all read the same hidden size.
     wrong_v = _replace(projections, 2, weight=torch.zeros(KV_OUT, HIDDEN + 8), lora_a=None, lora_b=None)
@@ -601,3 +664,23 @@ def test_a_trainable_base_weight_is_refused_not_silently_frozen(gen):
         lora_qkv(x, *trainable)
     with torch.no_grad():  # inference needs no gradient, so there the weight may stay trainable
         assert lora_qkv(x, *trainable)[2].shape == (5, KV_OUT)
+
+
+@pytest.mark.parametrize("kind", ["qkv", "o"])
+def test_a_trainable_bias_is_refused_not_silently_frozen(gen, kind):
+    dtype = torch.float32
+    if kind == "qkv":
+        function, names, index = lora_qkv, "lora_qkv: k_proj", 1
+        projections = qkv_projections(dtype, gen, [(2, 1.0), (2, 1.0), (2, 1.0)], biases=QWEN2_BIAS)
+    else:
+        function, names, index = lora_o, "lora_o: o_proj", 0
+        projections = [make_projection(HIDDEN, Q_OUT, dtype, gen, (2, 1.0), bias=True)]
+    trainable = _replace(projections, index, bias=projections[index].bias.clone().requires_grad_())
+    x = random_tensor((5, Q_OUT if kind == "o" else HIDDEN), dtype, gen)
+    with pytest.raises(ValueError, match=f"{names}: the bias requires grad.*freeze it"):
+        function(x, *trainable)
+    with torch.no_grad():  # inference: the bias takes part in the output, and needs no gradient
+        out = function(x, *trainable)
+    out = out[index] if kind == "qkv" else out
+    ref = Reference(x, trainable)
+    assert relative_error(out, ref.project(index, ref.x)) < TOLERANCE[dtype]

@@ -1,5 +1,5 @@
-"""``FASTFT_NF4_DEQUANT=kernel``: the fused LoRA GEMM decoding NF4 tiles inside its K loop, against float64 and
-against the default reused-buffer path."""
+"""``FASTFT_NF4_DEQUANT=kernel``: the fused LoRA GEMM decoding NF4 tiles inside its K loop (a frozen base bias in
+its epilogue), against float64 and against the default reused-buffer path."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 from conftest import KERNEL_DTYPES, random_tensor
 from test_kernel_lora import (
     HIDDEN,
+    NO_BIAS,
+    QWEN2_BIAS,
     make_projection,
     mlp_projections,
     mlp_reference,
@@ -30,10 +32,11 @@ def in_kernel(monkeypatch):
     assert nf4_dequant_mode() == "kernel"
 
 
+@pytest.mark.parametrize("biases", [NO_BIAS, QWEN2_BIAS], ids=["no-bias", "qwen2-bias"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("nf4", ["params4bit-nested", "params4bit-plain", "quantize_4bit"])
-def test_qkv_decoded_in_the_kernel_matches_float64(in_kernel, kernel_path, gen, dtype, nf4):
-    projections = qkv_projections(dtype, gen, [(4, 2.0), None, (2, 0.5)], nf4=(nf4,) * 3)
+def test_qkv_decoded_in_the_kernel_matches_float64(in_kernel, kernel_path, gen, dtype, nf4, biases):
+    projections = qkv_projections(dtype, gen, [(4, 2.0), None, (2, 0.5)], nf4=(nf4,) * 3, biases=biases)
     x = random_tensor((2, 19, HIDDEN), dtype, gen).requires_grad_()
     run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
 
@@ -53,7 +56,10 @@ def test_mlp_decoded_in_the_kernel_matches_float64(in_kernel, kernel_path, gen, 
 
 def test_both_decodings_give_the_same_outputs(gen, monkeypatch):
     dtype = torch.float32
-    projections = qkv_projections(dtype, gen, [(4, 2.0), (4, 1.0), (2, 0.5)], nf4=("params4bit-nested",) * 3)
+    # q unbiased, k and v biased: both kernels mask q's bias off and add the others in the epilogue.
+    projections = qkv_projections(
+        dtype, gen, [(4, 2.0), (4, 1.0), (2, 0.5)], nf4=("params4bit-nested",) * 3, biases=(False, True, True)
+    )
     x = random_tensor((37, HIDDEN), dtype, gen)
     outputs = {}
     for mode in ("buffer", "kernel"):

@@ -1,4 +1,5 @@
-"""RMSNorm kernel: output, dX and dW against float64, Llama's casting rule, layouts, saved tensors, shape errors."""
+"""RMSNorm kernel: output, dX and dW against float64, Llama's and Gemma's casting rules, layouts, saved tensors,
+shape errors."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def float64_reference(x, weight, grad, eps):
     return out64.detach(), dx64, dw64
 
 
-def run(x, weight, grad, eps=1e-6):
+def run(x, weight, grad, eps=1e-6, **variant):
     """Forward and backward through rms_norm; returns output and the input grads (None where not required)."""
-    out = rms_norm(x, weight, eps)
+    out = rms_norm(x, weight, eps, **variant)
     inputs = [t for t in (x, weight) if t.requires_grad]
     grads = iter(torch.autograd.grad(out, inputs, grad))
     dx = next(grads) if x.requires_grad else None
@@ -234,3 +235,127 @@ def test_shape_errors(kernel_path, x_shape, weight_shape, message):
     weight = torch.ones(weight_shape, device=KERNEL_DEVICE)
     with pytest.raises(ShapeContractError, match=message):
         rms_norm(x, weight)
+
+
+# Gemma's variant: scale by (1 + weight) and round once, after the fp32 multiply (Gemma3RMSNorm).
+GEMMA = {"offset": 1.0, "cast_before_weight": False}
+# bf16 runs through the interpreter here too (no dot in this kernel); its fp32 -> bf16 cast truncates instead of
+# rounding to nearest, an error of under one bf16 ulp that the bf16 bound absorbs.
+GEMMA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def gemma_float64(x, weight, grad, eps):
+    """Gemma's formula, x̂ · (1 + w), computed in float64 throughout, with its gradients by autograd."""
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    out64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w64)
+    dx64, dw64 = torch.autograd.grad(out64, (x64, w64), grad.double())
+    return out64.detach(), dx64, dw64
+
+
+def gemma_module(hidden, weight_dtype, gen, eps=1e-6):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    module = Gemma3RMSNorm(hidden, eps=eps).to(device=KERNEL_DEVICE, dtype=weight_dtype)
+    with torch.no_grad():
+        # Gemma stores scale - 1 and initialises it to zero; random values exercise the (1 + w) product.
+        module.weight.copy_(random_tensor((hidden,), weight_dtype, gen, scale=0.5))
+    return module
+
+
+@pytest.mark.parametrize("shape", [(2, 67, 123), (1, 64), (5, 576)], ids=lambda s: "x".join(map(str, s)))
+def test_gemma3_rms_norm_parity(kernel_path, gen, shape):
+    """Output, dX and dW against transformers' Gemma3RMSNorm itself, in fp32."""
+    hidden = shape[-1]
+    module = gemma_module(hidden, torch.float32, gen)
+    x = random_tensor(shape, torch.float32, gen).requires_grad_(True)
+    grad = random_tensor(shape, torch.float32, gen)
+    expected = module(x)
+    expected_dx, expected_dw = torch.autograd.grad(expected, (x, module.weight), grad)
+
+    weight = module.weight.detach().clone().requires_grad_(True)
+    out = rms_norm(x, weight, 1e-6, **GEMMA)
+    dx, dw = torch.autograd.grad(out, (x, weight), grad)
+
+    assert (out.dtype, dx.dtype, dw.dtype) == (torch.float32,) * 3
+    if kernel_path == "reference":
+        assert torch.equal(out, expected)  # op for op the upstream forward
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(dx, expected_dx) < TOLERANCE[torch.float32]
+    assert relative_error(dw, expected_dw) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", GEMMA_DTYPES, ids=str)
+def test_gemma_reference_is_bit_identical_to_upstream(gen, dtype):
+    module = gemma_module(123, dtype, gen)
+    x = random_tensor((3, 67, 123), dtype, gen)
+    expected = module(x)
+    assert expected.dtype == dtype
+    assert torch.equal(rms_norm_reference(x, module.weight, 1e-6, **GEMMA), expected)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [(dtype, dtype) for dtype in GEMMA_DTYPES] + [(torch.float16, torch.float32), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "fp16", "bf16", "fp16-input-fp32-weight", "bf16-input-fp32-weight"],
+)
+@pytest.mark.parametrize("shape", [(1, 67, 123), (67, 576)], ids=lambda s: "x".join(map(str, s)))
+def test_gemma_matches_float64(kernel_path, gen, shape, dtype, weight_dtype):
+    hidden = shape[-1]
+    x = random_tensor(shape, dtype, gen).requires_grad_(True)
+    weight = random_tensor((hidden,), weight_dtype, gen, scale=0.5).requires_grad_(True)
+    grad = random_tensor(shape, dtype, gen)
+
+    out, dx, dw = run(x, weight, grad, **GEMMA)
+    out64, dx64, dw64 = gemma_float64(x, weight, grad, 1e-6)
+
+    # Gemma rounds once, to the input's dtype (type_as(x)), whatever the weight's dtype.
+    assert (out.dtype, dx.dtype, dw.dtype) == (dtype, dtype, weight_dtype)
+    assert out.shape == x.shape and dx.shape == x.shape and dw.shape == weight.shape
+    assert relative_error(out, out64) < TOLERANCE[dtype]
+    assert relative_error(dx, dx64) < TOLERANCE[dtype]
+    assert relative_error(dw, dw64) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+def test_gemma_only_required_gradients(kernel_path, gen, frozen):
+    x = random_tensor((2, 9, 123), torch.float32, gen).requires_grad_(frozen != "x")
+    weight = random_tensor((123,), torch.float32, gen).requires_grad_(frozen != "weight")
+    grad = random_tensor((2, 9, 123), torch.float32, gen)
+    _, dx, dw = run(x, weight, grad, **GEMMA)
+    _, dx64, dw64 = gemma_float64(x, weight, grad, 1e-6)
+    if frozen == "weight":
+        assert dw is None and relative_error(dx, dx64) < TOLERANCE[torch.float32]
+    else:
+        assert dx is None and relative_error(dw, dw64) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_default_variant_is_llama_unchanged(kernel_path, gen, dtype):
+    """The new keywords at their defaults are the Llama norm, bit for bit; Gemma's is a different function."""
+    x = random_tensor((67, 123), dtype, gen).requires_grad_(True)
+    weight = random_tensor((123,), dtype, gen).requires_grad_(True)
+    grad = random_tensor((67, 123), dtype, gen)
+
+    plain = run(x, weight, grad)
+    explicit = run(x, weight, grad, offset=0.0, cast_before_weight=True)
+    three_args = RMSNormFunction.apply(x, weight, 1e-6)  # the Function's old signature still works
+    for a, b in zip(plain, explicit, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(three_args, plain[0])
+    assert relative_error(run(x, weight, grad, **GEMMA)[0], plain[0]) > 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offset": float("nan")}, r"rms_norm: offset must be a finite number, got nan; pass 0\.0 .* or 1\.0"),
+        ({"offset": "1"}, r"rms_norm: offset must be a finite number, got '1'"),
+        ({"cast_before_weight": None}, r"rms_norm: cast_before_weight must be True or False, got None"),
+    ],
+    ids=["nan-offset", "str-offset", "none-cast"],
+)
+def test_bad_variant_raises(kernel_path, kwargs, message):
+    x = torch.ones((2, 64), device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=message):
+        rms_norm(x, torch.ones(64, device=KERNEL_DEVICE), **kwargs)

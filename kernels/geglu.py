@@ -1,0 +1,262 @@
+"""GeGLU, the gate of Gemma's MLP: ``h = gelu_tanh(gate) * up`` with ``gate = gate_proj(x)`` and ``up = up_proj(x)``.
+
+``gelu_tanh`` is the tanh approximation of GELU that transformers calls ``gelu_pytorch_tanh``
+(``torch.nn.functional.gelu(x, approximate="tanh")``):
+
+    gelu_tanh(g) = 0.5 g (1 + tanh(z)),  z = sqrt(2 / pi) (g + 0.044715 g³)
+
+The kernels use the identity ``0.5 (1 + tanh(z)) = sigmoid(2 z)``, so they need one ``tl.exp`` and no libdevice
+``tanh``: the same code runs under the Triton interpreter and compiled for CUDA, and it does not lose precision to
+``1 + tanh(z)`` cancelling for very negative ``g``. With ``s = sigmoid(2 z)``:
+
+    gelu_tanh(g)  = g s
+    d gelu_tanh/dg = s + g s (1 - s) · 2 dz/dg = s + g s (1 - s) sqrt(8 / pi) (1 + 3 · 0.044715 g²)
+
+    d_gate = dh * up * d gelu_tanh/dg
+    d_up   = dh * gelu_tanh(gate)
+
+Forward computes in fp32 and stores ``h`` in the input dtype. It saves ``gate`` and ``up`` only, and backward writes
+the two input gradients over the saved buffers, with exactly the buffer rules of :mod:`fastft.kernels.swiglu`:
+
+- a non-contiguous input is copied to a private contiguous buffer at forward (the kernels index flat memory);
+- a leaf input is never overwritten: its gradient goes to a fresh buffer;
+- an input whose gradient is not needed is never written;
+- when ``gate`` and ``up`` overlap in memory (``geglu(t, t)``) neither is written;
+- every buffer written in place gets its autograd version bumped (:func:`dispatch.mark_overwritten`), so another node
+  that saved the same tensor, or a second backward through this one, raises "modified by an inplace operation"
+  instead of reading gradients as activations.
+
+The torch reference path follows the same buffer rules, so what happens to the caller's tensors does not depend on
+the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+
+# The same input checks and buffer rules as SwiGLU: one implementation of them.
+from fastft.kernels.swiglu import _check_inputs, _contiguous_buffer, save_for_in_place_backward
+
+# Elementwise work: one block of this many elements per program (as SwiGLU).
+_BLOCK = 1024
+
+# The kernels write their constants as literals (a jit function may only read constexpr globals):
+#   2 z     = g (1.5957691216057308 + 0.07135481627260025 g²)    [2 sqrt(2/pi), 2 sqrt(2/pi) · 0.044715]
+#   2 dz/dg = 1.5957691216057308 + 0.21406444881780076 g²        [2 sqrt(2/pi) · 3 · 0.044715]
+
+
+@triton.jit
+def _sigmoid_2z(g, g2):
+    # s = sigmoid(2 z) = 0.5 (1 + tanh(z)) and s (1 - s), from e = exp(-|2 z|) <= 1: exp never overflows (no inf, no
+    # numpy overflow warning under the interpreter), and 1 - s is e / (1 + e) for 2 z >= 0 instead of 1 - s rounded
+    # near 1, so d gelu_tanh keeps its precision where s is close to 1.
+    t = g * (1.5957691216057308 + 0.07135481627260025 * g2)
+    e = tl.exp(-tl.abs(t))
+    r = 1.0 / (1.0 + e)
+    s = tl.where(t >= 0.0, r, e * r)
+    return s, e * r * r
+
+
+@triton.jit
+def _geglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    # int64 offsets: a long-context MLP activation passes 2**31 elements.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s, _ = _sigmoid_2z(g, g * g)
+    h = g * s * u
+    tl.store(out_ptr + offsets, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_backward_kernel(
+    dh_ptr,
+    gate_ptr,
+    up_ptr,
+    dgate_ptr,
+    dup_ptr,
+    n_elements,
+    WRITE_DGATE: tl.constexpr,
+    WRITE_DUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # dgate_ptr / dup_ptr may be gate_ptr / up_ptr themselves: each element is loaded before it is stored, by the
+    # same program, and the caller guarantees gate and up do not overlap, so no program reads what another wrote.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g2 = g * g
+    s, s_one_minus_s = _sigmoid_2z(g, g2)
+    if WRITE_DUP:
+        tl.store(dup_ptr + offsets, (dh * g * s).to(dup_ptr.dtype.element_ty), mask=mask)
+    if WRITE_DGATE:
+        dgelu = s + g * s_one_minus_s * (1.5957691216057308 + 0.21406444881780076 * g2)
+        tl.store(dgate_ptr + offsets, (dh * u * dgelu).to(dgate_ptr.dtype.element_ty), mask=mask)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain-torch GeGLU, differentiable by autograd: ``gelu_tanh(gate) * up`` in fp32, returned in gate's dtype.
+
+    It matches the kernel's arithmetic (one rounding to the input dtype at the end). In fp32 it is bitwise the
+    expression transformers' Gemma MLP uses, ``ACT2FN["gelu_pytorch_tanh"](gate) * up``; in fp16 / bf16
+    transformers rounds ``gelu_tanh(gate)`` to the input dtype before the product, so the two differ by that rounding.
+
+    Args:
+        gate: ``gate_proj(x)``, any shape.
+        up: ``up_proj(x)``, the same shape and dtype as ``gate``.
+
+    Returns:
+        ``gelu_tanh(gate) * up`` with gate's shape and dtype.
+
+    Raises:
+        ShapeContractError: ``gate`` and ``up`` have different shapes.
+        TypeError: ``gate`` and ``up`` have different dtypes.
+    """
+    _check_inputs("geglu_reference", gate, up)
+    return (_gelu_tanh(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = dispatch.empty_like(gate)
+    n_elements = gate.numel()
+    if n_elements:
+        _geglu_forward_kernel[(triton.cdiv(n_elements, _BLOCK),)](gate, up, out, n_elements, BLOCK=_BLOCK)
+    return out
+
+
+def _launch_backward(
+    dh: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dgate: torch.Tensor | None,
+    dup: torch.Tensor | None,
+) -> None:
+    n_elements = gate.numel()
+    if not n_elements:
+        return
+    # An unused gradient slot still needs a pointer; the constexpr flag keeps it from being written.
+    _geglu_backward_kernel[(triton.cdiv(n_elements, _BLOCK),)](
+        dh,
+        gate,
+        up,
+        dgate if dgate is not None else gate,
+        dup if dup is not None else up,
+        n_elements,
+        WRITE_DGATE=dgate is not None,
+        WRITE_DUP=dup is not None,
+        BLOCK=_BLOCK,
+    )
+
+
+def _reference_gradients(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, needs_gate: bool, needs_up: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 (d_gate, d_up), both computed before the caller writes either buffer (in fp32, g and u ARE the buffers)."""
+    g, u, d = gate.float(), up.float(), dh.float()
+    # aten's fused gelu_backward is the d_gate formula in one pass, as stock autograd computes it.
+    dg = torch.ops.aten.gelu_backward(d * u, g, approximate="tanh") if needs_gate else None
+    du = d * _gelu_tanh(g) if needs_up else None
+    return dg, du
+
+
+class GeGLUFunction(torch.autograd.Function):
+    """``gelu_tanh(gate) * up`` whose backward writes the input gradients over the saved ``gate`` / ``up`` buffers.
+
+    See the module docstring for which buffers are written in place and which get fresh ones. Once backward has
+    run, an intermediate ``gate`` / ``up`` passed in holds its own gradient, not its activation.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        _check_inputs("geglu", gate, up)
+        gate_buffer, gate_private = _contiguous_buffer(gate)
+        up_buffer, up_private = _contiguous_buffer(up)
+
+        if dispatch.use_triton(gate_buffer):
+            out = _launch_forward(gate_buffer, up_buffer)
+        else:
+            out = (_gelu_tanh(gate_buffer.float()) * up_buffer.float()).to(gate.dtype)
+
+        save_for_in_place_backward(ctx, gate, up, (gate_buffer, gate_private), (up_buffer, up_private))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        gate, up = ctx.saved_tensors
+        needs_gate, needs_up = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (needs_gate or needs_up):
+            return None, None
+        dh = dh.contiguous()
+
+        if dispatch.use_triton(dh):
+            dgate = (gate if ctx.gate_in_place else dispatch.empty_like(gate)) if needs_gate else None
+            dup = (up if ctx.up_in_place else dispatch.empty_like(up)) if needs_up else None
+            _launch_backward(dh, gate, up, dgate, dup)
+        else:
+            dg, du = _reference_gradients(dh, gate, up, needs_gate, needs_up)
+            dgate = gate.copy_(dg) if ctx.gate_in_place else (dg.to(gate.dtype) if needs_gate else None)
+            dup = up.copy_(du) if ctx.up_in_place else (du.to(up.dtype) if needs_up else None)
+
+        written = [t for t, flag in ((gate, ctx.gate_in_place), (up, ctx.up_in_place)) if flag]
+        dispatch.mark_overwritten(*written)
+        return dgate, dup
+
+
+def geglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of two contiguous same-shape buffers, no autograd (for Functions that own the
+    buffers)."""
+    if dispatch.use_triton(gate):
+        return _launch_forward(gate, up)
+    return (_gelu_tanh(gate.float()) * up.float()).to(gate.dtype)
+
+
+def geglu_backward_(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``d gate`` over ``gate`` and ``d up`` over ``up`` (contiguous, non-overlapping buffers the caller owns)
+    and return them; no autograd."""
+    dh = dh.contiguous()
+    if dispatch.use_triton(dh):
+        _launch_backward(dh, gate, up, gate, up)
+        return gate, up
+    dg, du = _reference_gradients(dh, gate, up, True, True)
+    return gate.copy_(dg), up.copy_(du)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU ``gelu_tanh(gate) * up`` for Gemma's MLP, Triton on CUDA (and under the interpreter), torch on CPU.
+
+    ``gelu_tanh`` is transformers' ``gelu_pytorch_tanh`` (``F.gelu(x, approximate="tanh")``). Backward overwrites
+    the saved ``gate`` and ``up`` with their gradients when they are autograd intermediates (the outputs of
+    gate_proj / up_proj), so do not read them after backward, and do not save them in another op that runs its
+    backward later: that op raises "modified by an inplace operation". Leaves, inputs that need no gradient, and
+    non-contiguous inputs (copied privately at forward) are left untouched.
+
+    Args:
+        gate: ``gate_proj(x)``, any shape, fp32 / fp16 / bf16.
+        up: ``up_proj(x)``, the same shape and dtype as ``gate``.
+
+    Returns:
+        ``gelu_tanh(gate) * up``, computed in fp32, with gate's shape and dtype (contiguous).
+
+    Raises:
+        ShapeContractError: ``gate`` and ``up`` have different shapes.
+        TypeError: ``gate`` and ``up`` have different dtypes.
+    """
+    return GeGLUFunction.apply(gate, up)
+
+
+__all__ = ["GeGLUFunction", "geglu", "geglu_backward_", "geglu_forward", "geglu_reference"]
