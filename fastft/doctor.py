@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+import fastft.patches  # noqa: F401  (registers the built-in patches)
 from fastft.registry import STRICT_ENV, apply_patches, format_report, patch_report, records, strict_mode
 from fastft.train import device_name, versions
 

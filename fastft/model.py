@@ -16,9 +16,10 @@ from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastft import checkpoint, distributed
+from fastft import checkpoint, distributed, patches  # noqa: F401  (patches: registers the built-in ones)
 from fastft.contracts import (
     check_adapter_tensors,
+    check_checkpoint,
     check_config,
     check_lora,
     check_projections,
@@ -33,6 +34,18 @@ from fastft.registry import apply_patches
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3 / Phi-4-mini pack q | k | v and gate | up into one projection each.
+PACKED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def default_target_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The attention and MLP projections of ``model``'s architecture: Llama's seven, or the packed four."""
+    available = _linear_leaf_names(model)
+    if {"qkv_proj", "gate_up_proj"} & available and not {"q_proj", "gate_proj"} & available:
+        return PACKED_TARGET_MODULES
+    return DEFAULT_TARGET_MODULES
+
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -348,7 +361,9 @@ class FastModel:
                     base_name, max_seq_length, torch_dtype, load_in_4bit, patch=patch, **hf_kwargs
                 )
                 return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
-        check_config(_config_before_loading(source, hf_kwargs), source=source)
+        config = _config_before_loading(source, hf_kwargs)
+        check_config(config, source=source)
+        check_checkpoint(source, config)
         load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
         if load_in_4bit:
             load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
@@ -388,7 +403,8 @@ class FastModel:
             r: LoRA rank.
             lora_alpha: LoRA scale numerator; the update is scaled by ``lora_alpha / r``.
             lora_dropout: Dropout on the LoRA input.
-            target_modules: Names of the linear layers to adapt; ``None`` means the seven Llama projections.
+            target_modules: Names of the linear layers to adapt; ``None`` means every attention and MLP projection
+                of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed qkv/o/gate_up/down).
             use_gradient_checkpointing: ``False``, ``True`` (recompute) or ``"offload"`` (alias ``"unsloth"``).
             random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
             **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
@@ -415,7 +431,7 @@ class FastModel:
         if not 0.0 <= lora_dropout < 1.0:
             raise ValueError(f"fastft.get_peft_model: lora_dropout must be in [0, 1), got {lora_dropout!r}.")
         mode = checkpoint.resolve_mode(use_gradient_checkpointing)
-        targets = list(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
+        targets = list(default_target_modules(model) if target_modules is None else target_modules)
         available = _linear_leaf_names(model)
         missing = [name for name in targets if name not in available]
         if missing:

@@ -60,6 +60,10 @@ class PatchRecord:
         replacement: What the patch puts in place (e.g. the module subclass), for reports and tests.
         fallbacks: Given the model, the patched places that currently run the stock path instead (a layer name to
             the reason), for patches that decide per layer; None for all-or-nothing patches.
+        model_types: The ``config.model_type`` s the patch is written for (``("qwen3",)``); empty for a patch of any
+            architecture (the checkpointer); ``("*",)`` for every architecture no other patch names (the generic
+            fused loss). A model's report lists only the patches of its own architecture and
+            the architecture-free ones.
         gemm_groups: The fused LoRA projection groups the patch runs (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``),
             whose base GEMM :mod:`fastft.kernels.gemm_tuner` places on cuBLAS or Triton; the report shows each choice.
     """
@@ -73,6 +77,7 @@ class PatchRecord:
     replacement: Any = None
     fallbacks: Callable[[torch.nn.Module], dict[str, str]] | None = None
     gemm_groups: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
     specifiers: Mapping[str, SpecifierSet] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -126,15 +131,9 @@ def _is_version(text: str) -> bool:
 
 
 def records() -> dict[str, list[PatchRecord]]:
-    """Every registered record, by patch name, in registration order."""
-    _load_builtin_patches()
+    """Every registered record, by patch name, in registration order (``import fastft.patches`` registers the
+    built-in ones; the registry imports no patch itself)."""
     return {name: list(group) for name, group in _RECORDS.items()}
-
-
-def _load_builtin_patches() -> None:
-    # The per-architecture patch modules and the checkpointer register themselves on import; they sit below this layer.
-    importlib.import_module("fastft.patches")
-    importlib.import_module("fastft.checkpoint")
 
 
 def installed_version(library: str) -> str | None:
@@ -267,7 +266,11 @@ def apply_patches(model: torch.nn.Module, enabled: bool = True, strict: bool | N
             any patch is applied.
     """
     plan = []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     for name, group in records().items():
+        # Another architecture's patches are not this model's business: its report leaves them out.
+        if not _concerns(group[0], model_type):
+            continue
         row = {"name": name, "target": group[0].target, "status": "", "reason": "", "tested": "", "modules": 0}
         record = None
         if not enabled:
@@ -283,6 +286,13 @@ def apply_patches(model: torch.nn.Module, enabled: bool = True, strict: bool | N
             else:
                 row.update(target=record.target, tested=record.tested())
         plan.append((row, record))
+
+    unsupported = _unsupported_architecture(model, model_type)
+    if unsupported is not None:
+        plan.insert(0, (unsupported, None))
+        if enabled and unsupported["reason"] not in _WARNED:
+            _WARNED.add(unsupported["reason"])
+            warnings.warn(f"fastft: {unsupported['reason']}.", UserWarning, stacklevel=3)
 
     skipped = [row for row, _ in plan if row["status"] == SKIPPED]
     if skipped:
@@ -308,6 +318,48 @@ def apply_patches(model: torch.nn.Module, enabled: bool = True, strict: bool | N
     setattr(model, _REPORT_ATTR, report)
     setattr(model, _RECORDS_ATTR, applied)
     return _with_fallbacks(model, report)
+
+
+ARCHITECTURE_ROW = "architecture"
+
+
+# In model_types: the patch is for every architecture that no other patch names (a generic fallback).
+OTHER_ARCHITECTURES = "*"
+
+
+def supported_model_types() -> list[str]:
+    """The ``config.model_type`` s some registered patch is written for."""
+    named = {t for group in _RECORDS.values() for record in group for t in record.model_types}
+    return sorted(named - {OTHER_ARCHITECTURES})
+
+
+def _concerns(record: PatchRecord, model_type: str | None) -> bool:
+    if not record.model_types:
+        return True
+    if OTHER_ARCHITECTURES in record.model_types:
+        return model_type not in supported_model_types()
+    return model_type in record.model_types
+
+
+def _unsupported_architecture(model: torch.nn.Module, model_type: str | None) -> dict | None:
+    """The report row of a model no architecture patch is written for, or None."""
+    supported = supported_model_types()
+    if not supported or model_type in supported:
+        return None
+    generic = [name for name, group in _RECORDS.items() if _concerns(group[0], model_type)]
+    reason = (
+        f"no fused patches for model_type {model_type!r} ({type(model).__name__}): its norms, attention and MLP "
+        f"run stock transformers (fused architectures: {', '.join(supported)}); the architecture-free patches "
+        f"({', '.join(generic) or 'none'}) apply where they can, as patch_report shows"
+    )
+    return {
+        "name": ARCHITECTURE_ROW,
+        "target": type(model).__name__,
+        "status": NOT_APPLICABLE,
+        "reason": reason,
+        "tested": "",
+        "modules": 0,
+    }
 
 
 def _with_fallbacks(model: torch.nn.Module, report: list[dict]) -> list[dict]:

@@ -17,6 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # when it is decorated, at import, so the switch is set here, before anything imports fastft.kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The registry imports no patch; fastft.patches registers the built-in ones (what fastft.model does on import).
+import fastft.patches  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():

@@ -102,6 +102,43 @@ def test_mismatched_q_proj_refused_at_from_pretrained(tiny_llama_dir, monkeypatc
         FastModel.from_pretrained(str(tiny_llama_dir))
 
 
+def _save_phi3(folder, tokenizer, **overrides):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    base = tiny_llama_config(tokenizer).to_dict()
+    settings = {key: base[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "pad_token_id")}
+    settings.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, **overrides)
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(**settings)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_phi3_qkv_proj_wider_than_its_config_refused_before_loading(tmp_path, smol_tokenizer, monkeypatch):
+    folder = _save_phi3(tmp_path, smol_tokenizer)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = 4  # the weights were saved with 2
+    (folder / "config.json").write_text(json.dumps(config))
+    import fastft.model as fastft_model
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the contract refused them")
+
+    monkeypatch.setattr(fastft_model.AutoModelForCausalLM, "from_pretrained", never)
+    # (4 + 2 x 4) x 16 = 192 rows expected; the checkpoint holds (4 + 2 x 2) x 16 = 128.
+    pattern = (
+        r"model\.layers\.0\.self_attn\.qkv_proj .*\[192, 64\].*num_key_value_heads.*got \[128, 64\].*fix config\.json"
+    )
+    with pytest.raises(ShapeContractError, match=pattern):
+        FastModel.from_pretrained(str(folder))
+
+
+def test_phi3_defaults_to_its_packed_projections(tmp_path, smol_tokenizer):
+    model, _ = FastModel.from_pretrained(str(_save_phi3(tmp_path, smol_tokenizer)))
+    peft_model = FastModel.get_peft_model(model, r=4)
+    assert set(peft_model.peft_config["default"].target_modules) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
 def test_mismatched_q_proj_refused_at_get_peft_model(tiny_llama_dir):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     _with_narrow_q_proj(model, layer=0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, tiny_llama_config
+from parity import count, graph_nodes
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
+from fastft.patches.lora_layers import group_weights
 
 pytestmark = pytest.mark.lane
 
@@ -39,22 +41,6 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
 
 
-def _graph_nodes(loss: torch.Tensor) -> list[str]:
-    names, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
-def _count(names: list[str], fragment: str) -> int:
-    return sum(fragment in name for name in names)
-
-
 def _loss_and_grads(model, batch, seed: int = 0):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -78,16 +64,16 @@ def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol
     for name in ("llama.attention", "llama.mlp", "llama.rms_norm", "llama.causal_lm_loss"):
         assert rows[name]["status"] == "applied" and rows[name]["fallbacks"] == {}, rows[name]
     loss = model(**_batch(model.config.vocab_size)).loss
-    names = _graph_nodes(loss)
-    assert _count(names, "LoRAQKV") == LAYERS
-    assert _count(names, "LoRAOFunction") == LAYERS
-    assert _count(names, "LoRAMLP") == LAYERS
+    names = graph_nodes(loss)
+    assert count(names, "LoRAQKV") == LAYERS
+    assert count(names, "LoRAOFunction") == LAYERS
+    assert count(names, "LoRAMLP") == LAYERS
     # The first norm has no node where the embeddings need no gradient (transformers 4.x without checkpointing).
-    assert _count(names, "RMSNormFunction") in (2 * LAYERS, 2 * LAYERS + 1)
-    assert _count(names, "FusedLinearCrossEntropy") == 1
+    assert count(names, "RMSNormFunction") in (2 * LAYERS, 2 * LAYERS + 1)
+    assert count(names, "FusedLinearCrossEntropy") == 1
     # Nothing of the stock LoRA path is left: peft's lora_B(lora_A(x)) * scaling would add MulBackward / AddBackward
     # nodes per projection around MmBackward ones.
-    assert _count(names, "MmBackward") == 0 and _count(names, "AddmmBackward") == 0, sorted(set(names))
+    assert count(names, "MmBackward") == 0 and count(names, "AddmmBackward") == 0, sorted(set(names))
 
 
 def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, tmp_path):
@@ -95,8 +81,8 @@ def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, t
     patched = _lora(folder, target_modules=["q_proj", "v_proj", "up_proj"])
     stock = _lora(folder, patch=False, target_modules=["q_proj", "v_proj", "up_proj"])
     batch = _batch(patched.config.vocab_size)
-    names = _graph_nodes(patched(**batch).loss)
-    assert _count(names, "LoRAQKV") == LAYERS and _count(names, "LoRAMLP") == LAYERS
+    names = graph_nodes(patched(**batch).loss)
+    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
     _assert_same(patched, stock, batch)
 
 
@@ -110,14 +96,45 @@ def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tm
     assert set(mlp) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
     assert all("lora_dropout p=0.1" in reason for reason in [*attention.values(), *mlp.values()])
     batch = _batch(patched.config.vocab_size)
-    names = _graph_nodes(patched(**batch).loss)
-    assert _count(names, "LoRAQKV") == 0 and _count(names, "LoRAMLP") == 0
+    names = graph_nodes(patched(**batch).loss)
+    assert count(names, "LoRAQKV") == 0 and count(names, "LoRAMLP") == 0
     # peft draws the same dropout masks in the same order on both sides.
     _assert_same(patched, stock, batch, seed=3)
     # In eval mode dropout is the identity, so the fused path serves the layers again.
     patched.eval()
-    assert _count(_graph_nodes(patched(**batch).logits.sum()), "LoRAQKV") == LAYERS
+    assert count(graph_nodes(patched(**batch).logits.sum()), "LoRAQKV") == LAYERS
     patched.train()
+
+
+def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_tokenizer, tmp_path):
+    # Llama's attention_bias (q, k, v and o biased, as Qwen2's q / k / v) and mlp_bias: the frozen biases are added in
+    # the fused GEMMs' epilogue, no layer falls back, and loss and LoRA gradients equal stock peft's.
+    folder = _folder(tmp_path, smol_tokenizer, attention_bias=True, mlp_bias=True)
+    patched, stock = _lora(folder), _lora(folder, patch=False)
+    attention = patched.get_base_model().model.layers[0].self_attn
+    assert attention.q_proj.base_layer.bias is not None and not attention.q_proj.base_layer.bias.requires_grad
+    rows = {row["name"]: row for row in patch_report(patched)}
+    assert rows["llama.attention"]["fallbacks"] == {} and rows["llama.mlp"]["fallbacks"] == {}
+    batch = _batch(patched.config.vocab_size)
+    names = graph_nodes(patched(**batch).loss)
+    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAOFunction") == LAYERS
+    assert count(names, "LoRAMLP") == LAYERS
+    _assert_same(patched, stock, batch)
+
+    # peft's bias="all" trains every bias: the fused path would give them no gradient, so those layers run peft's.
+    patched, stock = _lora(folder, bias="all"), _lora(folder, patch=False, bias="all")
+    rows = {row["name"]: row for row in patch_report(patched)}
+    reason = rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"]
+    assert reason.startswith("q_proj.base_layer's bias is trainable"), reason
+    assert set(rows["llama.mlp"]["fallbacks"]) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
+    batch = _batch(patched.config.vocab_size)
+    assert count(graph_nodes(patched(**batch).loss), "LoRAQKV") == 0
+    _assert_same(patched, stock, batch)
+    # In inference the trainable biases need no gradient, so the fused path serves the layers again.
+    with torch.no_grad():
+        weights = group_weights(patched.get_base_model().model.layers[0].self_attn, ("q_proj", "k_proj", "v_proj"))
+        assert [w.bias is not None for w in weights] == [True, True, True], weights
+        assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
 
 
 def test_dora_falls_back_and_matches_stock(smol_tokenizer, tmp_path):
@@ -228,26 +245,38 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
     assert torch.isfinite(loss)
     # Nothing of the logits' size is kept for backward, whichever head ran.
     assert max(numels) < tokens * vocab, (max(numels), tokens * vocab)
-    names = _graph_nodes(loss)
+    names = graph_nodes(loss)
     if Version(trl_version) >= Version("1.15"):
         # trl's own fused LM head (installed on the model instance) computed the loss; fastft's forward never ran.
-        assert _count(names, "ChunkedLogProb") == 1 and _count(names, "FusedLinearCrossEntropy") == 0
+        assert count(names, "ChunkedLogProb") == 1 and count(names, "FusedLinearCrossEntropy") == 0
         assert head.fastft_fused_loss_calls == calls
         # And no op of forward or backward produced a tensor as large as the logits (trl tiles tokens and vocab).
         largest = _largest_op_output(lambda: trainer.compute_loss(model, batch).backward())
         assert largest < tokens * vocab, (largest, tokens * vocab)
     else:
-        assert _count(names, "FusedLinearCrossEntropy") == 1
+        assert count(names, "FusedLinearCrossEntropy") == 1
         assert head.fastft_fused_loss_calls == calls + 1
-    assert _count(names, "LoRAQKV") == LAYERS
+    assert count(names, "LoRAQKV") == LAYERS
 
 
-def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
-    model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    randomize_lora_b(model)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "attention-bias"])
+def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path, bias):
+    # attention_bias: a Linear4bit with a frozen bias (as a 4-bit Qwen2's q / k / v) fuses as well.
+    folder = _folder(tmp_path, smol_tokenizer, attention_bias=bias)
+
+    def four_bit(patch: bool):
+        model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True, patch=patch)
+        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+        randomize_lora_b(model)
+        return model
+
+    model = four_bit(True)
+    attention = model.get_base_model().model.layers[0].self_attn
     assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    assert (attention.q_proj.base_layer.bias is not None) == bias
     assert all(row["fallbacks"] == {} for row in patch_report(model))
-    names = _graph_nodes(model(**_batch(model.config.vocab_size)).loss)
-    assert _count(names, "LoRAQKV") == LAYERS and _count(names, "LoRAMLP") == LAYERS
+    batch = _batch(model.config.vocab_size)
+    names = graph_nodes(model(**batch).loss)
+    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
+    if bias:
+        _assert_same(model, four_bit(False), batch)

@@ -7,8 +7,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, tiny_llama_config
-from transformers import LlamaForCausalLM
+from parity import assert_parity, lora_model, make_batch, save_family
 from transformers.models.llama import modeling_llama as upstream
 
 from fastft import FastModel, patch_report
@@ -17,9 +16,6 @@ from fastft.registry import records, select, signature_fingerprint
 
 pytestmark = pytest.mark.lane
 
-LOSS_TOLERANCE = 1e-5
-GRAD_TOLERANCE = 1e-4
-ZERO_GRAD_SCALE = 1e-5
 SHAPES = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa-4-2": dict(num_attention_heads=4, num_key_value_heads=2),
@@ -32,61 +28,7 @@ SHAPES = {
 
 
 def _save_model(folder, tokenizer, **overrides) -> str:
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(tokenizer, **overrides)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-def _lora(folder: str, patch: bool, **load_kwargs):
-    model, _ = FastModel.from_pretrained(folder, max_seq_length=128, patch=patch, **load_kwargs)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16)
-    randomize_lora_b(model)
-    return model
-
-
-def _batch(vocab: int, batch: int, seq: int, pad: int = 0) -> dict[str, torch.Tensor]:
-    """Random tokens with the first ``pad`` positions of row 0 left-padded, random targets (no shift) so a
-    single-token sequence has a loss too, and labels (shifted by the model) for the causal-LM loss."""
-    generator = torch.Generator().manual_seed(seq * 31 + batch)
-    input_ids = torch.randint(3, vocab, (batch, seq), generator=generator)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, :pad] = 0
-    targets = torch.randint(3, vocab, (batch, seq), generator=generator).masked_fill(mask == 0, -100)
-    labels = input_ids.masked_fill(mask == 0, -100)
-    return {"input_ids": input_ids, "attention_mask": mask, "targets": targets, "labels": labels}
-
-
-def _loss_and_grads(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The model's own causal-LM loss (the fused one on a patched model) plus a loss on every position's logits
-    (a single-token row has no causal-LM target), so both heads and the attention at every position are checked."""
-    model.zero_grad(set_to_none=True)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    logits = model(**inputs).logits
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
-    if batch["input_ids"].shape[1] > 1:
-        loss = loss + model(**inputs, labels=batch["labels"]).loss
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads
-
-
-def _assert_parity(patched, stock, batch) -> None:
-    loss, grads = _loss_and_grads(patched, batch)
-    stock_loss, stock_grads = _loss_and_grads(stock, batch)
-    assert torch.isfinite(loss)
-    assert relative_error(loss, stock_loss) <= LOSS_TOLERANCE, (loss.item(), stock_loss.item())
-    assert grads.keys() == stock_grads.keys() and any("lora_A" in name for name in grads)
-    # With one key per query, softmax has zero derivative and q / k gradients are rounding noise on both sides:
-    # gradients that small are compared on the scale of the largest one instead of their own.
-    floor = ZERO_GRAD_SCALE * max(grad.norm().item() for grad in stock_grads.values())
-    for name, grad in grads.items():
-        expected = stock_grads[name]
-        if expected.norm().item() < floor:
-            assert grad.norm().item() < floor, f"{name}: {grad.norm().item():.2e} where stock is ~0"
-            continue
-        error = relative_error(grad, expected)
-        assert error <= GRAD_TOLERANCE, f"{name}: relative error {error:.2e}"
+    return save_family(folder, "llama", tokenizer, **overrides)
 
 
 def _patched_types(model) -> set[str]:
@@ -96,33 +38,33 @@ def _patched_types(model) -> set[str]:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_parity_with_stock_left_padded(shape, kernel_path, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer, **SHAPES[shape])
-    patched, stock = _lora(folder, patch=True), _lora(folder, patch=False)
+    patched, stock = lora_model(folder, patch=True), lora_model(folder, patch=False)
     assert len(_patched_types(patched)) == 4 and not _patched_types(stock)
-    _assert_parity(patched, stock, _batch(patched.config.vocab_size, batch=2, seq=13, pad=5))
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=13, pad=5))
 
 
 @pytest.mark.parametrize("seq", [1, 7, 63])
 def test_parity_at_sequence_lengths(seq, kernel_path, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer)
-    patched, stock = _lora(folder, patch=True), _lora(folder, patch=False)
-    _assert_parity(patched, stock, _batch(patched.config.vocab_size, batch=2, seq=seq))
+    patched, stock = lora_model(folder, patch=True), lora_model(folder, patch=False)
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=seq))
 
 
 def test_parity_with_4bit_base(kernel_path, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer)
-    patched = _lora(folder, patch=True, load_in_4bit=True)
-    stock = _lora(folder, patch=False, load_in_4bit=True)
+    patched = lora_model(folder, patch=True, load_in_4bit=True)
+    stock = lora_model(folder, patch=False, load_in_4bit=True)
     assert type(patched.get_base_model().model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
-    _assert_parity(patched, stock, _batch(patched.config.vocab_size, batch=2, seq=11, pad=3))
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=11, pad=3))
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_parity_for_each_attention_implementation(attn_implementation, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer)
-    patched = _lora(folder, patch=True, attn_implementation=attn_implementation)
-    stock = _lora(folder, patch=False, attn_implementation=attn_implementation)
+    patched = lora_model(folder, patch=True, attn_implementation=attn_implementation)
+    stock = lora_model(folder, patch=False, attn_implementation=attn_implementation)
     assert patched.config._attn_implementation == attn_implementation
-    _assert_parity(patched, stock, _batch(patched.config.vocab_size, batch=2, seq=9, pad=2))
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=9, pad=2))
 
 
 def test_generation_with_kv_cache_matches_stock(smol_tokenizer, tmp_path):
@@ -131,7 +73,7 @@ def test_generation_with_kv_cache_matches_stock(smol_tokenizer, tmp_path):
     for patch in (True, False):
         model, _ = FastModel.from_pretrained(folder, max_seq_length=128, patch=patch)
         FastModel.for_inference(model)
-        batch = _batch(model.config.vocab_size, batch=2, seq=6, pad=2)
+        batch = make_batch(model.config.vocab_size, batch=2, seq=6, pad=2)
         with torch.no_grad():
             outputs.append(
                 model.generate(

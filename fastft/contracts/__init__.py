@@ -16,6 +16,7 @@ import torch
 
 from fastft.contracts._layers import _base_model
 from fastft.contracts.attention import AttentionShape, attention_shape, check_config, check_projections
+from fastft.contracts.checkpoint import check_checkpoint
 from fastft.contracts.lora import check_adapter_tensors, check_lora
 from fastft.contracts.quantized import check_quant_states, guard_4bit
 from fastft.contracts.sequence import guard_max_seq_length
@@ -25,6 +26,7 @@ from fastft.contracts.sequence import guard_max_seq_length
 from fastft.kernels.errors import ShapeContractError
 
 __all__ = [
+    "check_checkpoint",
     "AttentionShape",
     "ShapeContractError",
     "attention_shape",

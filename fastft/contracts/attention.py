@@ -28,13 +28,32 @@ class AttentionShape:
     head_dim: int
 
     def projections(self) -> dict[str, tuple[int, int]]:
-        """Expected ``[out, in]`` weight shape of each attention projection."""
+        """Expected ``[out, in]`` weight shape of each attention projection, separate (q / k / v) or packed (Phi-3's
+        ``qkv_proj``: q's rows, then k's, then v's)."""
         return {
             "q_proj": (self.heads * self.head_dim, self.hidden),
             "k_proj": (self.kv_heads * self.head_dim, self.hidden),
             "v_proj": (self.kv_heads * self.head_dim, self.hidden),
+            "qkv_proj": ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),
             "o_proj": (self.hidden, self.heads * self.head_dim),
         }
+
+    def mismatch(self, where: str, proj: str, expected: tuple[int, int], actual: tuple[int, int]) -> str:
+        """The message for a projection whose ``[out, in]`` is not the config's: both shapes and the fix."""
+        rule = ""
+        if proj == "qkv_proj":
+            rule = (
+                f" (out = (num_attention_heads + 2 x num_key_value_heads) x head_dim = ({self.heads} + 2 x "
+                f"{self.kv_heads}) x {self.head_dim}, split as q {self.heads * self.head_dim}, k / v "
+                f"{self.kv_heads * self.head_dim} each)"
+            )
+        return (
+            f"{where}: expected weight [out, in] = [{expected[0]}, {expected[1]}] from the config "
+            f"({self.describe()}){rule}, got [{actual[0]}, {actual[1]}]. The weights do not match the config: fix "
+            "config.json (set head_dim explicitly when hidden_size != num_attention_heads x head_dim, and "
+            "num_key_value_heads to the k/v heads the weights have), or load the weights this config was saved "
+            "with."
+        )
 
     def describe(self) -> str:
         """The config values the shapes come from, for error messages."""
@@ -110,10 +129,10 @@ def check_config(config: Any, source: str = "the model") -> AttentionShape:
 def check_projections(model: torch.nn.Module) -> int:
     """Check every attention module's q/k/v/o projections against the sizes its config implies.
 
-    An attention module is any module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children; its own
-    ``config`` is used when it has one (multimodal models), else the model's. In/out features are read from the
-    module attributes, which works for ``nn.Linear``, bitsandbytes ``Linear4bit`` (whose weight is packed) and
-    peft's LoRA wrappers (their base layer).
+    An attention module is any module with ``q_proj``, ``k_proj``, ``v_proj`` (or a packed ``qkv_proj``) and
+    ``o_proj`` children; its own ``config`` is used when it has one (multimodal models), else the model's. In/out
+    features are read from the module attributes, which works for ``nn.Linear``, bitsandbytes ``Linear4bit``
+    (whose weight is packed) and peft's LoRA wrappers (their base layer).
 
     Args:
         model: A transformers model or a ``PeftModel``.
@@ -129,24 +148,21 @@ def check_projections(model: torch.nn.Module) -> int:
     checked = 0
     for name, module in base.named_modules():
         children = dict(module.named_children())
-        if not all(key in children for key in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        separate = all(key in children for key in ("q_proj", "k_proj", "v_proj"))
+        if "o_proj" not in children or not (separate or "qkv_proj" in children):
             continue
         config = getattr(module, "config", None) or model_config
         if config is None:
             continue
         shape = check_config(config, source=f"{type(base).__name__}.config")
-        for proj, (out_expected, in_expected) in shape.projections().items():
+        for proj, expected in shape.projections().items():
+            if proj not in children:
+                continue
             features = _features(children[proj])
             if features is None:
                 continue
             in_actual, out_actual = features
-            if (out_actual, in_actual) != (out_expected, in_expected):
-                raise ShapeContractError(
-                    f"{name}.{proj}: expected weight [out, in] = [{out_expected}, {in_expected}] from the config "
-                    f"({shape.describe()}), got [{out_actual}, {in_actual}]. The module does not match the config: "
-                    "fix config.json (set head_dim explicitly when hidden_size != num_attention_heads x head_dim, and "
-                    "num_key_value_heads to the k/v heads the weights have), or load the weights this config was "
-                    "saved with."
-                )
+            if (out_actual, in_actual) != expected:
+                raise ShapeContractError(shape.mismatch(f"{name}.{proj}", proj, expected, (out_actual, in_actual)))
         checked += 1
     return checked

@@ -1,3 +1,20 @@
-"""fastft's patches, one module per architecture; importing this package registers them all."""
+"""fastft's built-in patches: one module per architecture family, plus the offload checkpointer.
 
-from fastft.patches import llama  # noqa: F401
+This is the one place that lists them. Each module registers its records with :mod:`fastft.registry` on import;
+the registry itself imports none of them. Importing this package registers them all (``fastft.model`` does, before
+it patches a model).
+"""
+
+import importlib
+
+BUILTIN = (
+    "fastft.patches.llama",
+    "fastft.patches.qwen",
+    "fastft.patches.gemma",
+    "fastft.patches.phi3",
+    "fastft.patches.generic",
+    "fastft.checkpoint",
+)
+
+for _module in BUILTIN:
+    importlib.import_module(_module)

@@ -1,10 +1,12 @@
 """Reading a projection (plain ``nn.Linear``, bitsandbytes NF4 ``Linear4bit``, or either wrapped by peft's LoRA) into
 the :class:`~fastft.kernels.LoRAWeights` the fused kernels take, or the reason the fused path cannot serve it.
 
-The fused path computes exactly ``base(x) + s · B(A(x))`` for one active adapter. Anything else peft's forward would
-do differently makes the layer fall back to peft's own forward (slower, never wrong): dropout that is active,
-DoRA or another LoRA variant, a LoRA bias, a base bias, several active adapters, adapters disabled or merged, a base
-layer of another type or quantiser, a trainable base weight (full fine-tuning needs its gradient), and any forward
+The fused path computes exactly ``base(x) + s · B(A(x))`` for one active adapter, where ``base(x) = x Wᵀ + b`` may
+carry a frozen bias (Qwen2's q / k / v, Llama's ``attention_bias`` / ``mlp_bias``), added in the GEMM's epilogue.
+Anything else peft's forward would do differently makes the layer fall back to peft's own forward (slower, never
+wrong): dropout that is active, DoRA or another LoRA variant, a LoRA bias (peft's ``lora_bias=True``), several active
+adapters, adapters disabled or merged, a base layer of another type or quantiser, a trainable base weight or base
+bias (training them needs their gradients: full fine-tuning, peft's ``bias="all"`` / ``"lora_only"``), and any forward
 hook or replaced forward on the module, which the fused path would bypass.
 """
 
@@ -45,15 +47,21 @@ def _base_reason(base: torch.nn.Module, label: str, training: bool | None) -> st
     reason = _hook_reason(base, label)
     if reason:
         return reason
-    if getattr(base, "bias", None) is not None:
-        return f"{label} has a bias"
     weight = getattr(base, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.is_meta:
         return f"{label} has no materialised weight"
+    # Without autograd (inference) a trainable weight or bias needs no gradient, so the fused path serves it too.
+    needs_grad = torch.is_grad_enabled() if training is None else training
+    bias = getattr(base, "bias", None)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.is_meta:
+            return f"{label} has no materialised bias"
+        if bias.requires_grad and needs_grad:
+            return (
+                f"{label}'s bias is trainable (the fused path treats the base bias as frozen and gives it no gradient)"
+            )
     linear4bit = _linear4bit_class()
     if type(base) is torch.nn.Linear:
-        # Without autograd (inference) a trainable weight needs no gradient, so the fused path serves it too.
-        needs_grad = torch.is_grad_enabled() if training is None else training
         if weight.requires_grad and needs_grad:
             return f"{label}'s base weight is trainable (full fine-tuning needs its gradient)"
         return None
@@ -83,7 +91,7 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     """
     if not _is_lora_layer(module):
         reason = _base_reason(module, label, training)
-        return reason or LoRAWeights(module.weight)
+        return reason or LoRAWeights(module.weight, bias=module.bias)
     reason = _hook_reason(module, label)
     if reason:
         return reason
@@ -99,7 +107,7 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     if len(active) > 1:
         return f"{label}: {len(active)} active adapters"
     if not active:
-        return LoRAWeights(base.weight)
+        return LoRAWeights(base.weight, bias=base.bias)
     adapter = active[0]
     if module.use_dora.get(adapter, False):
         return f"{label}: DoRA"
@@ -118,7 +126,7 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
     if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
         return f"{label}: LoRA A / B are {type(lora_a).__name__} / {type(lora_b).__name__}, not nn.Linear"
-    return LoRAWeights(base.weight, lora_a.weight, lora_b.weight, float(module.scaling[adapter]))
+    return LoRAWeights(base.weight, lora_a.weight, lora_b.weight, float(module.scaling[adapter]), bias=base.bias)
 
 
 def group_weights(

@@ -1,9 +1,10 @@
-"""The causal-LM loss of a Llama through the fused linear cross-entropy: no [tokens, vocab] logits in training.
+"""The causal-LM loss through the fused linear cross-entropy: no [tokens, vocab] logits in training.
 
-``FastLlamaForCausalLM.forward`` takes the upstream signature (of whichever transformers is installed). With labels
-in training mode, autograd on, it runs the backbone, shifts the labels like transformers' ``ForCausalLMLoss`` and
-computes the loss with :func:`fastft.kernels.fused_linear_cross_entropy`, which never materialises the logits;
-everything else (eval, generation, no labels, an LM head that is not a plain ``nn.Linear``) is the upstream forward.
+:func:`causal_lm_forward` builds the forward of a family's ``...ForCausalLM`` subclass; it takes the upstream
+signature (of whichever transformers is installed). With labels in training mode, autograd on, it runs the
+backbone, shifts the labels like transformers' ``ForCausalLMLoss`` and computes the loss with
+:func:`fastft.kernels.fused_linear_cross_entropy`, which never materialises the logits; everything else (eval,
+generation, no labels, an LM head that is not a plain ``nn.Linear``) is the upstream forward.
 
 Logits in training: transformers returns them beside the loss, and trl before 1.15 reads them for its token
 accuracy / entropy metrics. There, the logits are computed once more without gradient (nothing is saved for
@@ -20,18 +21,16 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from packaging.version import Version
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.llama import modeling_llama as upstream
 
 from fastft.kernels import fused_linear_cross_entropy
 
-_UPSTREAM_SIGNATURE = inspect.signature(upstream.LlamaForCausalLM.forward)
-# Named arguments of the loss, not of the backbone (upstream passes **kwargs to both; the backbone ignores them).
 _IGNORE_INDEX = -100
 
 
@@ -58,41 +57,52 @@ def head_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-class FastLlamaForCausalLM(upstream.LlamaForCausalLM):
-    """``LlamaForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
+class FusedLossState:
+    """The per-instance switches of a fused-loss model; a family's ``...ForCausalLM`` subclass lists it first."""
 
     # Class default; an instance attribute of the same name overrides it.
     fastft_return_logits: bool | None = None
     # How many losses the fused path computed on this instance: what tests read to know which head ran.
     fastft_fused_loss_calls: int = 0
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        bound = _UPSTREAM_SIGNATURE.bind(self, *args, **kwargs)
-        arguments = dict(bound.arguments)
+
+def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable[..., Any]:
+    """The forward of ``upstream_class`` (a ``...ForCausalLM``) with its training loss through the fused linear
+    cross-entropy; shows the upstream signature, which generate() and Trainer read (logits_to_keep, **kwargs).
+    ``backbone`` names the attribute holding the decoder stack (``model``; GPT-NeoX's ``gpt_neox``)."""
+    signature = inspect.signature(upstream_class.forward)
+    upstream_forward = upstream_class.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
         arguments.pop("self")
-        extra = dict(arguments.pop("kwargs", {}))
+        # Gemma 3 names its catch-all **loss_kwargs; every other family **kwargs.
+        extra = dict(arguments.pop(_var_keyword(signature), {}))
         labels = arguments.get("labels")
         # Evaluation (eval mode, or no autograd) keeps the stock forward: it wants the logits anyway.
         if labels is None or not (self.training and torch.is_grad_enabled()) or head_reason(self) is not None:
-            return super().forward(*args, **kwargs)
+            return upstream_forward(self, *args, **kwargs)
 
         arguments.pop("labels")
         logits_to_keep = arguments.pop("logits_to_keep", 0)
         return_dict = extra.pop("return_dict", None)
         shift_labels = extra.pop("shift_labels", None)
         num_items_in_batch = extra.get("num_items_in_batch")
-        outputs = self.model(**arguments, **extra)
+        outputs = getattr(self, backbone)(**arguments, **extra)
         hidden_states = outputs[0]
         if shift_labels is None:
             # Position t predicts token t + 1; the last position predicts nothing (transformers' ForCausalLMLoss).
             shift_labels = F.pad(labels, (0, 1), value=_IGNORE_INDEX)[..., 1:]
         head = self.get_output_embeddings()
+        # Gemma 2 / 3 cap the logits (tanh(z / c) · c) before the loss; the fused loss caps each chunk it scores.
+        softcap = getattr(self.config, "final_logit_softcapping", None)
         loss = fused_linear_cross_entropy(
             hidden_states,
             head.weight,
             shift_labels.to(hidden_states.device),
             ignore_index=_IGNORE_INDEX,
             num_items_in_batch=num_items_in_batch,
+            softcap=softcap,
         )
         self.fastft_fused_loss_calls += 1
 
@@ -104,6 +114,8 @@ class FastLlamaForCausalLM(upstream.LlamaForCausalLM):
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             with torch.no_grad():
                 logits = head(hidden_states[:, keep, :])
+                if softcap is not None:
+                    logits = torch.tanh(logits / softcap) * softcap
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -115,8 +127,16 @@ class FastLlamaForCausalLM(upstream.LlamaForCausalLM):
             return result.to_tuple()
         return result
 
+    forward.__signature__ = signature
+    forward.__doc__ = f"``{upstream_class.__name__}.forward`` with the training loss through the fused cross-entropy."
+    return forward
 
-# generate() and Trainer read the forward's parameters (logits_to_keep, **kwargs for loss kwargs): show upstream's.
-FastLlamaForCausalLM.forward.__signature__ = _UPSTREAM_SIGNATURE
 
-__all__ = ["FastLlamaForCausalLM", "head_reason"]
+def _var_keyword(signature: inspect.Signature) -> str:
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            return name
+    return "kwargs"
+
+
+__all__ = ["FusedLossState", "causal_lm_forward", "head_reason"]

@@ -1,0 +1,414 @@
+"""The decoder bodies every fused family shares: RMSNorm, the gated MLP, attention and the causal-LM loss.
+
+A family (Llama, Mistral, Qwen2, Qwen3, ...) differs from Llama in a few steps, not in its forward: a bias on q / k / v
+(read into :class:`~fastft.kernels.LoRAWeights` by :mod:`fastft.patches.lora_layers`), a per-head ``q_norm`` /
+``k_norm`` between the projection and RoPE, the sliding window handed to the attention function. :class:`Family`
+names those steps; :func:`attention_forward` builds the one attention forward from them and from the upstream
+signature, so it takes its arguments exactly as upstream does in every transformers version a record covers (the
+5.x ``past_key_values``, the 4.56–4.57 ``past_key_values`` + ``cache_position``, the 4.53–4.55 ``past_key_value``).
+
+Each family module defines its subclasses as plain ``class`` statements (so a patched model pickles and
+``inspect.getmodule`` names the family module) with ``forward = ...`` from here, and registers them with
+:func:`register_family`. The attention function (eager / sdpa / flash) and the KV cache stay upstream's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fastft.kernels import (
+    apply_rope,
+    geglu,
+    lora_gate_up_mlp,
+    lora_mlp,
+    lora_o,
+    lora_packed_qkv,
+    lora_qkv,
+    rms_norm,
+    swiglu,
+)
+from fastft.patches.causal_lm import head_reason
+from fastft.patches.lora_layers import group_weights
+from fastft.registry import PatchRecord, register
+
+# The gated MLP activations the fused path has kernels for (config name -> lora_mlp's activation).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GATES = {"silu": swiglu, "gelu_tanh": geglu}
+
+
+def _no_window(module: torch.nn.Module) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a decoder family does differently from Llama.
+
+    Attributes:
+        name: The patch-name prefix (``"qwen3"`` gives ``qwen3.attention``).
+        model_type: ``config.model_type`` of its models.
+        upstream: The transformers modeling module (``transformers.models.qwen3.modeling_qwen3``).
+        prefix: Its class-name prefix (``"Qwen3"``: ``Qwen3Attention``, ``Qwen3MLP`` ...).
+        head_norms: Whether attention normalises q and k per head (``q_norm`` / ``k_norm``) before RoPE.
+        attention_kwargs: Extra keyword arguments upstream hands its attention function (the sliding window).
+        activation_attr: The config attribute naming the MLP activation (Gemma: ``hidden_activation``).
+        qkv: The q, k, v projection names, or the one packed projection (Phi-3's ``("qkv_proj",)``), whose output
+            splits at heads · head_dim, kv_heads · head_dim, kv_heads · head_dim.
+        mlp: The gate, up, down projection names, or a packed gate_up and down (``("gate_up_proj", "down_proj")``).
+        o: The output projection's name.
+    """
+
+    name: str
+    model_type: str
+    upstream: ModuleType
+    prefix: str
+    head_norms: bool = False
+    attention_kwargs: Callable[[torch.nn.Module], dict[str, Any]] = _no_window
+    activation_attr: str = "hidden_act"
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    o: tuple[str, ...] = field(default=("o_proj",))
+
+    def upstream_class(self, part: str) -> type:
+        """The upstream class of one part (``"RMSNorm"``, ``"Attention"``, ``"MLP"``, ``"ForCausalLM"``)."""
+        return getattr(self.upstream, f"{self.prefix}{part}")
+
+
+def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Llama-style RMSNorm (``weight · x̂`` cast back to x's dtype) through the fused kernel, dX and dW included."""
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def gemma_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Gemma-style RMSNorm (``(1 + weight) · x̂`` in fp32, then cast) through the fused kernel."""
+    return rms_norm(x, self.weight, self.eps, offset=1.0, cast_before_weight=False)
+
+
+def mlp_activation(config: Any, attr: str = "hidden_act") -> str | None:
+    """lora_mlp's name for the config's gated-MLP activation, or None when no fused kernel computes it."""
+    return ACTIVATIONS.get(getattr(config, attr, None))
+
+
+def gated_mlp_forward(family: Family) -> Callable[..., torch.Tensor]:
+    """The family's gated MLP (SwiGLU or GeGLU, by its config; gate and up separate or packed) as one fused LoRA-MLP
+    node; a layer the fused kernel cannot serve runs its projections' own forwards around the gate kernel. The
+    forward takes the upstream MLP's signature (``(self, x)``, Phi-3's ``(self, hidden_states)``)."""
+    signature = inspect.signature(family.upstream_class("MLP").forward)
+    packed = len(family.mlp) == 2
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _, x = signature.bind(self, *args, **kwargs).arguments.values()
+        activation = mlp_activation(self.config, family.activation_attr)
+        weights = group_weights(self, family.mlp)
+        if isinstance(weights, str):
+            if packed:
+                gate, up = getattr(self, family.mlp[0])(x).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(_GATES[activation](gate, up))
+        if packed:
+            return lora_gate_up_mlp(x, *weights, activation=activation)
+        return lora_mlp(x, *weights, activation=activation)
+
+    forward.__signature__ = signature
+    forward.__doc__ = f"``{family.prefix}MLP.forward`` as one fused LoRA-MLP node."
+    return forward
+
+
+def _interface(family: Family, module: torch.nn.Module) -> Callable[..., Any]:
+    functions = family.upstream.ALL_ATTENTION_FUNCTIONS
+    name = module.config._attn_implementation
+    eager = family.upstream.eager_attention_forward
+    if hasattr(functions, "get_interface"):
+        return functions.get_interface(name, eager)
+    # transformers 4.x looks the function up by name.
+    return eager if name == "eager" else functions[name]
+
+
+def qkv_widths(module: torch.nn.Module) -> tuple[int, int, int]:
+    """q, k and v widths of an attention module, from its config: heads · head_dim, then kv_heads · head_dim twice."""
+    config = module.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (
+        config.num_attention_heads * module.head_dim,
+        kv_heads * module.head_dim,
+        kv_heads * module.head_dim,
+    )
+
+
+def _project(
+    family: Family, module: torch.nn.Module, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    weights = group_weights(module, family.qkv)
+    if len(family.qkv) == 1:
+        widths = qkv_widths(module)
+        if isinstance(weights, str):
+            projected = getattr(module, family.qkv[0])(hidden_states).split(list(widths), dim=-1)
+        else:
+            projected = lora_packed_qkv(hidden_states, *weights, widths)
+    elif isinstance(weights, str):
+        projected = tuple(getattr(module, name)(hidden_states) for name in family.qkv)
+    else:
+        projected = lora_qkv(hidden_states, *weights)
+    query, key, value = (t.view(hidden_shape) for t in projected)
+    if family.head_norms:
+        # Over head_dim, per head, before RoPE; q_norm / k_norm are the family's RMSNorm, so its patch (the fused
+        # kernel with dW) serves them too.
+        query, key = module.q_norm(query), module.k_norm(key)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _rotate(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rotary = cos.shape[-1]
+    if rotary == query.shape[-1]:
+        return apply_rope(query, key, cos, sin)
+    # Partial rotary (Phi-4-mini's partial_rotary_factor): the first `rotary` dims turn, the rest pass through.
+    query_rot, key_rot = apply_rope(query[..., :rotary], key[..., :rotary], cos, sin)
+    return torch.cat([query_rot, query[..., rotary:]], dim=-1), torch.cat([key_rot, key[..., rotary:]], dim=-1)
+
+
+def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any]:
+    """The fused attention forward for ``upstream_class`` (its installed signature, shown as its own)."""
+    signature = inspect.signature(upstream_class.forward)
+    takes_cache_position = "cache_position" in signature.parameters
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        extra = dict(arguments.get("kwargs", {}))
+        hidden_states = arguments["hidden_states"]
+        cos, sin = arguments["position_embeddings"]
+        # 4.56–4.57 still take the pre-4.56 name through a deprecation shim; so does this forward.
+        cache = arguments.get("past_key_values", arguments.get("past_key_value"))
+        shim = extra.pop("past_key_value", None)
+        cache = shim if cache is None else cache
+
+        query, key, value = _project(family, self, hidden_states)
+        query, key = _rotate(query, key, cos, sin)
+        if cache is not None:
+            if takes_cache_position:
+                # RoPE-aware caches take sin / cos, the static cache its positions.
+                cache_kwargs = {"sin": sin, "cos": cos, "cache_position": arguments.get("cache_position")}
+                key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
+            else:
+                key, value = cache.update(key, value, self.layer_idx)
+        attn_output, attn_weights = _interface(family, self)(
+            self,
+            query,
+            key,
+            value,
+            arguments.get("attention_mask"),
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **family.attention_kwargs(self),
+            **extra,
+        )
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        weights = group_weights(self, family.o)
+        if isinstance(weights, str):
+            return self.o_proj(attn_output), attn_weights
+        return lora_o(attn_output, *weights), attn_weights
+
+    forward.__signature__ = signature
+    forward.__doc__ = f"``{upstream_class.__name__}.forward`` with the fused LoRA-QKV, RoPE and LoRA-O kernels."
+    return forward
+
+
+def swap_class(upstream_class: type, fast_class: type) -> Callable[[torch.nn.Module], int]:
+    """A record's ``apply``: every module whose type is exactly ``upstream_class`` becomes ``fast_class``."""
+
+    def apply(model: torch.nn.Module) -> int:
+        count = 0
+        for module in model.modules():
+            # Exact type: a user's own subclass of the upstream module keeps its forward.
+            if type(module) is upstream_class:
+                module.__class__ = fast_class
+                count += 1
+        return count
+
+    return apply
+
+
+def model_type_only(model_type: str) -> Callable[[torch.nn.Module], str | None]:
+    """A record's ``applies_to`` for one architecture."""
+
+    def applies_to(model: torch.nn.Module) -> str | None:
+        found = getattr(getattr(model, "config", None), "model_type", None)
+        if found != model_type:
+            return f"model_type {found!r} is not {model_type}"
+        return None
+
+    return applies_to
+
+
+def _gated_mlp_only(family: Family) -> Callable[[torch.nn.Module], str | None]:
+    family_only = model_type_only(family.model_type)
+
+    def applies_to(model: torch.nn.Module) -> str | None:
+        reason = family_only(model)
+        if reason:
+            return reason
+        activation = getattr(model.config, family.activation_attr, None)
+        if mlp_activation(model.config, family.activation_attr) is None:
+            return (
+                f"{family.activation_attr} {activation!r} has no fused gate kernel "
+                f"(fused: {', '.join(sorted(ACTIVATIONS))})"
+            )
+        return None
+
+    return applies_to
+
+
+def _causal_lm_only(model_type: str, upstream_class: type) -> Callable[[torch.nn.Module], str | None]:
+    family_only = model_type_only(model_type)
+
+    def applies_to(model: torch.nn.Module) -> str | None:
+        reason = family_only(model)
+        if reason:
+            return reason
+        if not any(type(module) is upstream_class for module in model.modules()):
+            return f"no {upstream_class.__name__} head (a bare backbone has no loss)"
+        return None
+
+    return applies_to
+
+
+def group_fallbacks(fast_classes: tuple[type, ...], groups: Mapping[str, tuple[str, ...]]):
+    """A record's ``fallbacks``: which patched modules would run a group through the stock projections in training,
+    and why."""
+
+    def fallbacks(model: torch.nn.Module) -> dict[str, str]:
+        found = {}
+        for name, module in model.named_modules():
+            if type(module) not in fast_classes:
+                continue
+            for suffix, names in groups.items():
+                weights = group_weights(module, names, training=True)
+                if isinstance(weights, str):
+                    found[f"{name}{suffix}"] = weights
+        return found
+
+    return fallbacks
+
+
+def loss_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, str]]:
+    """A record's ``fallbacks`` for the fused loss: an LM head it cannot serve."""
+
+    def fallbacks(model: torch.nn.Module) -> dict[str, str]:
+        found = {}
+        for name, module in model.named_modules():
+            if type(module) is fast_class:
+                reason = head_reason(module)
+                if reason:
+                    found[name or "lm_head"] = reason
+        return found
+
+    return fallbacks
+
+
+@dataclass(frozen=True)
+class FastClasses:
+    """A family's subclasses: each changes ``forward`` only."""
+
+    rms_norm: type
+    attention: type
+    mlp: type
+    causal_lm: type
+
+
+@dataclass(frozen=True)
+class VersionRange:
+    """One transformers range of a family's records and the upstream signatures it was written against."""
+
+    transformers: str
+    attention_fingerprint: str
+    causal_lm_fingerprint: str
+    rms_norm_fingerprint: str = "(self, hidden_states)"
+    mlp_fingerprint: str = "(self, x)"
+
+
+def register_family(family: Family, classes: FastClasses, ranges: tuple[VersionRange, ...]) -> None:
+    """Register a family's four patches (RMSNorm, attention, MLP, causal-LM loss), one record per version range.
+
+    Args:
+        family: The family.
+        classes: Its subclasses.
+        ranges: The transformers ranges the records were tested against (a lane's version starts each one, and it
+            ends before the next minor release no lane has run), each with the upstream signatures of that range.
+    """
+    module = family.upstream.__name__
+    model_types = (family.model_type,)
+    applies = model_type_only(family.model_type)
+    causal_lm = family.upstream_class("ForCausalLM")
+    groups = {".qkv" if len(family.qkv) > 1 else f".{family.qkv[0]}": family.qkv, f".{family.o[0]}": family.o}
+    for versions in ranges:
+        pinned = {"transformers": versions.transformers}
+        parts = (
+            ("rms_norm", "RMSNorm", classes.rms_norm, versions.rms_norm_fingerprint, applies, None, ()),
+            (
+                "attention",
+                "Attention",
+                classes.attention,
+                versions.attention_fingerprint,
+                applies,
+                group_fallbacks((classes.attention,), groups),
+                ("qkv", "o"),
+            ),
+            (
+                "mlp",
+                "MLP",
+                classes.mlp,
+                versions.mlp_fingerprint,
+                _gated_mlp_only(family),
+                group_fallbacks((classes.mlp,), {"": family.mlp}),
+                ("gate_up", "down"),
+            ),
+            (
+                "causal_lm_loss",
+                "ForCausalLM",
+                classes.causal_lm,
+                versions.causal_lm_fingerprint,
+                _causal_lm_only(family.model_type, causal_lm),
+                loss_fallbacks(classes.causal_lm),
+                (),
+            ),
+        )
+        for part, suffix, fast_class, fingerprint, applies_to, fallbacks, gemm_groups in parts:
+            upstream_class = family.upstream_class(suffix)
+            register(
+                PatchRecord(
+                    name=f"{family.name}.{part}",
+                    target=f"{module}.{upstream_class.__name__}.forward",
+                    versions=pinned,
+                    fingerprint=fingerprint,
+                    applies_to=applies_to,
+                    apply=swap_class(upstream_class, fast_class),
+                    replacement=fast_class,
+                    fallbacks=fallbacks,
+                    gemm_groups=gemm_groups,
+                    model_types=model_types,
+                )
+            )
+
+
+__all__ = [
+    "Family",
+    "FastClasses",
+    "VersionRange",
+    "attention_forward",
+    "gemma_rms_norm_forward",
+    "mlp_activation",
+    "gated_mlp_forward",
+    "qkv_widths",
+    "register_family",
+    "rms_norm_forward",
+    "swap_class",
+]
