@@ -77,6 +77,16 @@ def test_parity_with_4bit_base(family, kernel_path):
     assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=11, pad=3))
 
 
+def test_phi3_packed_split_where_hidden_times_kv_over_heads_squared_is_not_an_integer(smol_tokenizer, tmp_path):
+    # 320 · 8 / 40² = 1.6: a split derived from the hidden size (the GPT-NeoX failure class) cannot even be formed;
+    # the config's widths (q 320, k / v 64 each) are what the packed qkv_proj splits at.
+    shape = dict(hidden_size=320, num_attention_heads=40, num_key_value_heads=8)
+    folder = save_family(tmp_path, "phi3", smol_tokenizer, **shape)
+    patched, stock = lora_model(folder, patch=True), lora_model(folder, patch=False)
+    assert patched.get_base_model().model.layers[0].self_attn.qkv_proj.base_layer.out_features == 320 + 2 * 64
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=9, pad=2))
+
+
 def test_greedy_generation_with_kv_cache_matches_stock(family):
     _, folder = family
     tokens = greedy_tokens(folder, patch=True)
