@@ -10,6 +10,7 @@ from the local CPU wheel, the lane's pins, the rest of fastft's runtime and test
     python .ci/lanes.py --lane oldest -- -k rope  # one lane, extra pytest arguments after ``--``
     python .ci/lanes.py --build-only            # build only (other tools then use .lanes/<lane>/bin/python)
     python .ci/lanes.py --list                  # the lanes, their pins and whether their venv is current
+    python .ci/lanes.py --jobs 2 --skip-main-set  # CI: two lanes at a time, none that repeats the main run
 
 Standard library only, so it runs before anything is installed.
 """
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,8 +330,10 @@ def _junit_counts(path: Path) -> dict[str, int]:
     return totals
 
 
-def run_tests(lane: Lane, pytest_args: list[str]) -> tuple[int, dict[str, int]]:
-    """Run ``python -m pytest -q -m lane`` in the lane from the repository root; returns the exit code and counts."""
+def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tuple[int, dict[str, int]]:
+    """Run ``python -m pytest -q -m lane`` in the lane from the repository root; returns the exit code and counts.
+
+    With ``log``, pytest's output goes to that file (lanes running side by side would interleave theirs)."""
     junit = lane.venv / "last-run.xml"
     junit.unlink(missing_ok=True)
     env = dict(os.environ, VIRTUAL_ENV=str(lane.venv), PATH=f"{lane.venv / 'bin'}{os.pathsep}{os.environ['PATH']}")
@@ -338,7 +343,13 @@ def run_tests(lane: Lane, pytest_args: list[str]) -> tuple[int, dict[str, int]]:
     env.pop("PYTHONPATH", None)
     command = [str(lane.python), "-m", "pytest", "-q", "-m", "lane", f"--junitxml={junit}", *pytest_args]
     print(f"[{lane.name}] $ {' '.join(command)}", flush=True)
-    code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
+    if log is None:
+        code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
+    else:
+        with log.open("w") as output:
+            code = subprocess.run(command, cwd=ROOT, env=env, check=False, stdout=output, stderr=subprocess.STDOUT)
+            code = code.returncode
+        print(f"[{lane.name}] pytest exited {code}; its output:\n{log.read_text()}", flush=True)
     counts = _junit_counts(junit) if junit.exists() else {}
     return code, counts
 
@@ -377,8 +388,8 @@ def print_summary(outcomes: list[Outcome]) -> None:
             print(f"{outcome.lane.name}: {outcome.error}")
 
 
-def run_lane(lane: Lane, installer: str, rebuild: bool, build_only: bool, pytest_args: list[str]) -> Outcome:
-    """Build (or reuse) one lane and, unless ``build_only``, run its tests; never raises for a lane failure."""
+def build_lane(lane: Lane, installer: str, rebuild: bool) -> Outcome:
+    """Build (or reuse) one lane's venv; never raises for a lane failure."""
     outcome = Outcome(lane)
     print(f"\n=== lane {lane.name}: {_describe(lane)}, torch {TORCH_VERSION}", flush=True)
     start = time.monotonic()
@@ -388,10 +399,14 @@ def run_lane(lane: Lane, installer: str, rebuild: bool, build_only: bool, pytest
         outcome.error = str(error)
     outcome.build_seconds = time.monotonic() - start
     print(f"[{lane.name}] venv {outcome.build} in {outcome.build_seconds:.1f} s", flush=True)
-    if outcome.error or build_only:
-        return outcome
+    return outcome
+
+
+def run_lane_tests(outcome: Outcome, pytest_args: list[str], log: Path | None = None) -> Outcome:
+    """Run a built lane's tests into ``outcome``; never raises for a lane failure."""
+    lane = outcome.lane
     start = time.monotonic()
-    code, outcome.counts = run_tests(lane, pytest_args)
+    code, outcome.counts = run_tests(lane, pytest_args, log)
     outcome.test_seconds = time.monotonic() - start
     print(f"[{lane.name}] tests exited {code} in {outcome.test_seconds:.1f} s", flush=True)
     if code == PYTEST_NO_TESTS_COLLECTED or (code == 0 and not outcome.counts.get("tests")):
@@ -402,6 +417,30 @@ def run_lane(lane: Lane, installer: str, rebuild: bool, build_only: bool, pytest
     elif code != 0:
         outcome.error = f"pytest exited {code}; its output is above"
     return outcome
+
+
+def same_as_main(lane: Lane) -> bool:
+    """Whether this interpreter (the main test run's environment) holds exactly the lane's pins and torch: then the
+    main run has already run the lane's tests with these libraries."""
+    try:
+        installed = {name: metadata.version(name) for name in ("torch", *lane.pins)}
+    except metadata.PackageNotFoundError:
+        return False
+    return installed == {"torch": TORCH_VERSION, **lane.pins}
+
+
+def run_lanes(lanes: list[Lane], installer: str, rebuild: bool, pytest_args: list[str], jobs: int) -> list[Outcome]:
+    """Build every lane one after the other (the installer is the bottleneck there), then test ``jobs`` of them at a
+    time, each into ``.lanes/<lane>/last-run.log`` when more than one runs at once."""
+    outcomes = [build_lane(lane, installer, rebuild) for lane in lanes]
+    ready = [outcome for outcome in outcomes if not outcome.error]
+    if jobs <= 1:
+        for outcome in ready:
+            run_lane_tests(outcome, pytest_args)
+        return outcomes
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda o: run_lane_tests(o, pytest_args, o.lane.venv / "last-run.log"), ready))
+    return outcomes
 
 
 def list_lanes(lanes: list[Lane]) -> None:
@@ -435,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         default="uv",
         help="uv (default, bootstrapped from PyPI into .lanes/.tools) or pip with this machine's pip configuration",
     )
+    parser.add_argument("--jobs", type=int, default=1, help="test this many lanes at a time (each is one process)")
+    parser.add_argument(
+        "--skip-main-set",
+        action="store_true",
+        help="skip a lane whose pins this interpreter already holds: the main test run covered it (CI)",
+    )
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
@@ -450,8 +495,15 @@ def main(argv: list[str] | None = None) -> int:
         list_lanes(lanes)
         return 0
 
+    if args.skip_main_set:
+        for lane in [lane for lane in lanes if same_as_main(lane)]:
+            print(f"lane {lane.name}: this interpreter holds exactly its pins, so the main run ran its tests; skipped")
+            lanes.remove(lane)
     started = time.monotonic()
-    outcomes = [run_lane(lane, args.installer, args.rebuild, args.build_only, pytest_args) for lane in lanes]
+    if args.build_only:
+        outcomes = [build_lane(lane, args.installer, args.rebuild) for lane in lanes]
+    else:
+        outcomes = run_lanes(lanes, args.installer, args.rebuild, pytest_args, args.jobs)
     print_summary(outcomes)
     print(f"lanes: {time.monotonic() - started:.1f} s in all")
     return 0 if all(outcome.ok for outcome in outcomes) else 1

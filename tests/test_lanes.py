@@ -126,7 +126,17 @@ def test_ci_runs_every_lane_after_the_main_suite():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "set -euo pipefail" in lines
     main = next(index for index, line in enumerate(lines) if "pytest -q" in line and not line.startswith("#"))
-    assert "python .ci/lanes.py" in lines[main + 1 :]
+    assert any(line.startswith("python .ci/lanes.py") for line in lines[main + 1 :])
+
+
+def test_the_lane_the_main_run_already_covered_is_recognised(lanes):
+    from importlib import metadata
+
+    here = {name: metadata.version(name) for name in lanes.PINNED}
+    torch_version = metadata.version("torch")
+    lane = lanes.Lane("here", ROOT / "here.txt", here)
+    assert lanes.same_as_main(lane) is (torch_version == lanes.TORCH_VERSION)
+    assert not lanes.same_as_main(lanes.Lane("other", ROOT / "other.txt", {**here, "peft": "0.0.1"}))
 
 
 def _supported_versions_table(readme: str) -> list[list[str]]:
