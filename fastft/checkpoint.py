@@ -445,13 +445,13 @@ def _attach_engine(model: torch.nn.Module) -> int:
 
 
 # transformers gives each checkpointed layer its function through _set_gradient_checkpointing; the layer calls it as
-# func(layer_call, *args) in every tested range (from __call__ up to 5.22, from a wrapped forward in 5.23).
+# func(layer_call, *args) in every tested range (from __call__ up to 5.22, from a wrapped forward from 5.23).
 _TARGET = "transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing"
 _FINGERPRINT = "(self, enable=True, gradient_checkpointing_func=torch.utils.checkpoint.checkpoint)"
 for _versions, _fingerprint in (
     (">=4.53.3,<4.58", _FINGERPRINT),
     (">=5.5.4,<5.16", _FINGERPRINT),
-    (">=5.16,<5.24", _FINGERPRINT[:-1] + ", every_n_layers=1)"),
+    (">=5.16,<5.25", _FINGERPRINT[:-1] + ", every_n_layers=1)"),
 ):
     register(
         PatchRecord(

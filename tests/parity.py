@@ -27,13 +27,16 @@ FAMILIES = {
         "MistralForCausalLM",
         dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=8),
     ),
-    # Qwen2.5-0.5B's 14 / 2 heads (head_dim 8 here); the second layer slides over 8 tokens.
+    # Qwen2.5-0.5B's wide GQA (14 / 2 heads there, 16 / 2 here: head_dim 8); the second layer slides over 8 tokens.
+    # Every in_features is a multiple of 64, bitsandbytes' blocksize: where it is a multiple of 16 but not of 64
+    # (112 with 14 heads), bitsandbytes 0.50's AVX-512 CPU dequantiser scales by the wrong block, and the stock side
+    # of the 4-bit parity test would be the wrong one (kernels/nf4.py).
     "qwen2": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
         dict(
-            hidden_size=112,
-            num_attention_heads=14,
+            hidden_size=128,
+            num_attention_heads=16,
             num_key_value_heads=2,
             use_sliding_window=True,
             sliding_window=8,

@@ -32,6 +32,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fastft.kernels import fused_linear_cross_entropy
 
 _IGNORE_INDEX = -100
+# transformers 5.24 renamed the output's past_key_values to cache.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @functools.cache
@@ -119,7 +121,7 @@ def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=getattr(outputs, "past_key_values", None),
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
         )

@@ -5,7 +5,8 @@ A family (Llama, Mistral, Qwen2, Qwen3, ...) differs from Llama in a few steps, 
 ``k_norm`` between the projection and RoPE, the sliding window handed to the attention function. :class:`Family`
 names those steps; :func:`attention_forward` builds the one attention forward from them and from the upstream
 signature, so it takes its arguments exactly as upstream does in every transformers version a record covers (the
-5.x ``past_key_values``, the 4.56–4.57 ``past_key_values`` + ``cache_position``, the 4.53–4.55 ``past_key_value``).
+5.24 ``cache``, the 5.0–5.23 ``past_key_values``, the 4.56–4.57 ``past_key_values`` + ``cache_position``, the
+4.53–4.55 ``past_key_value``).
 
 Each family module defines its subclasses as plain ``class`` statements (so a patched model pickles and
 ``inspect.getmodule`` names the family module) with ``forward = ...`` from here, and registers them with
@@ -176,20 +177,27 @@ def _rotate(
     return torch.cat([query_rot, query[..., rotary:]], dim=-1), torch.cat([key_rot, key[..., rotary:]], dim=-1)
 
 
+# What the KV cache argument is called: 5.24's name, 4.56–5.23's, 4.53–4.55's.
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+
+
 def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any]:
     """The fused attention forward for ``upstream_class`` (its installed signature, shown as its own)."""
     signature = inspect.signature(upstream_class.forward)
     takes_cache_position = "cache_position" in signature.parameters
+    cache_name = next((name for name in _CACHE_NAMES if name in signature.parameters), None)
+    # 4.56–4.57 still take the pre-4.56 name, and 5.24 the pre-5.24 one, through a deprecation shim; so does this.
+    old_names = tuple(name for name in _CACHE_NAMES if name != cache_name)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         arguments = signature.bind(self, *args, **kwargs).arguments
         extra = dict(arguments.get("kwargs", {}))
         hidden_states = arguments["hidden_states"]
         cos, sin = arguments["position_embeddings"]
-        # 4.56–4.57 still take the pre-4.56 name through a deprecation shim; so does this forward.
-        cache = arguments.get("past_key_values", arguments.get("past_key_value"))
-        shim = extra.pop("past_key_value", None)
-        cache = shim if cache is None else cache
+        cache = arguments.get(cache_name) if cache_name else None
+        for name in old_names:
+            shim = extra.pop(name, None)
+            cache = shim if cache is None else cache
 
         query, key, value = _project(family, self, hidden_states)
         query, key = _rotate(query, key, cos, sin)
@@ -198,6 +206,9 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
                 # RoPE-aware caches take sin / cos, the static cache its positions.
                 cache_kwargs = {"sin": sin, "cos": cos, "cache_position": arguments.get("cache_position")}
                 key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
+            elif cache_name == "cache":
+                # 5.24 hands the layer's kwargs to the cache (as upstream's forward does).
+                key, value = cache.update(key, value, self.layer_idx, kwargs=extra)
             else:
                 key, value = cache.update(key, value, self.layer_idx)
         attn_output, attn_weights = _interface(family, self)(

@@ -39,7 +39,7 @@ from fastft.patches.decoder import (
     gemma_rms_norm_forward,
     register_family,
 )
-from fastft.patches.llama import ATTENTION_5_DEFAULTS, ATTENTION_453, ATTENTION_456, CAUSAL_LM_5
+from fastft.patches.llama import ATTENTION_5_DEFAULTS, ATTENTION_453, ATTENTION_456, CAUSAL_LM_5, renamed_cache
 
 
 def _layer_window(module: torch.nn.Module) -> dict[str, Any]:
@@ -106,5 +106,11 @@ register_family(
         VersionRange(">=4.53.3,<4.56", ATTENTION_453, GEMMA3_CAUSAL_LM_453, rms_norm_fingerprint=GEMMA3_RMS_NORM),
         VersionRange(">=4.56,<4.58", ATTENTION_456, GEMMA3_CAUSAL_LM_456, rms_norm_fingerprint=GEMMA3_RMS_NORM),
         VersionRange(">=5.5.4,<5.24", ATTENTION_5_DEFAULTS, CAUSAL_LM_5, rms_norm_fingerprint=GEMMA3_RMS_NORM),
+        VersionRange(
+            ">=5.24,<5.25",
+            renamed_cache(ATTENTION_5_DEFAULTS),
+            renamed_cache(CAUSAL_LM_5),
+            rms_norm_fingerprint=GEMMA3_RMS_NORM,
+        ),
     ),
 )

@@ -100,7 +100,7 @@ def _fallbacks(model: torch.nn.Module) -> dict[str, str]:
 
 
 # Each range starts at a version the lanes test and ends before the next minor release no lane has run.
-for _range in (">=4.53.3,<4.58", ">=5.5.4,<5.24"):
+for _range in (">=4.53.3,<4.58", ">=5.5.4,<5.25"):
     register(
         PatchRecord(
             name="generic.causal_lm_loss",

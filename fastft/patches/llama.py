@@ -118,8 +118,14 @@ ATTENTION_5_DEFAULTS = (
 )
 
 
+def renamed_cache(fingerprint: str) -> str:
+    """A 5.x signature as transformers 5.24 writes it: ``past_key_values`` became ``cache`` (the old name still
+    reaches the forward through a deprecation shim, which :func:`fastft.patches.decoder.attention_forward` honours)."""
+    return fingerprint.replace("past_key_values=None", "cache=None")
+
+
 def ranges(attention_5: str = ATTENTION_5, mlp_fingerprint: str = "(self, x)") -> tuple[VersionRange, ...]:
-    """The three transformers ranges the lanes test (.ci/lanes/), each ending before the next minor release no lane
+    """The four transformers ranges the lanes test (.ci/lanes/), each ending before the next minor release no lane
     has run; inside a range the signature check still guards every release."""
     return tuple(
         VersionRange(versions, attention, causal_lm, mlp_fingerprint=mlp_fingerprint)
@@ -127,6 +133,7 @@ def ranges(attention_5: str = ATTENTION_5, mlp_fingerprint: str = "(self, x)") -
             (">=4.53.3,<4.56", ATTENTION_453, CAUSAL_LM_453),
             (">=4.56,<4.58", ATTENTION_456, CAUSAL_LM_456),
             (">=5.5.4,<5.24", attention_5, CAUSAL_LM_5),
+            (">=5.24,<5.25", renamed_cache(attention_5), renamed_cache(CAUSAL_LM_5)),
         )
     )
 
