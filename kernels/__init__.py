@@ -13,6 +13,9 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
 ``geglu(gate, up)``             ``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh``), backward in place too.
 ``fused_linear_cross_entropy``  ``(hidden, weight, labels, *, ignore_index, num_items_in_batch, chunk_size)``:
                                 causal-LM loss of ``hidden @ weight.T`` without the [tokens, vocab] logits.
+``fused_linear_logprobs``       ``(hidden, weight, targets, *, bias, temperature, softcap, logit_scale, outputs)``:
+                                per-token log p(target), entropy and logging statistics (:class:`LogProbOutputs`)
+                                of ``hidden @ weight.T``, again without the [tokens, vocab] logits.
 ``dequantize_nf4(packed, qs)``  bitsandbytes NF4 weight to dense [out, in], bit-identical to bitsandbytes.
 ``nf4_linear(x, packed, qs)``   ``x @ W.T`` over an NF4 weight, dequantised again in backward (never saved).
 ``lora_qkv(x, q, k, v)``        q, k, v projections with LoRA (:class:`LoRAWeights`) in one GEMM launch, the
@@ -32,6 +35,12 @@ from fastft.kernels.cross_entropy import (
 )
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.geglu import GeGLUFunction, geglu, geglu_reference
+from fastft.kernels.linear_logprobs import (
+    FusedLinearLogProbsFunction,
+    LogProbOutputs,
+    fused_linear_logprobs,
+    linear_logprobs_reference,
+)
 from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_gate_up_mlp, lora_mlp
 from fastft.kernels.lora_o import LoRAOFunction, lora_o
 from fastft.kernels.lora_packed_qkv import LoRAPackedQKVFunction, lora_packed_qkv
@@ -44,12 +53,14 @@ from fastft.kernels.swiglu import SwiGLUFunction, swiglu, swiglu_reference
 
 __all__ = [
     "FusedLinearCrossEntropyFunction",
+    "FusedLinearLogProbsFunction",
     "GeGLUFunction",
     "LoRAMLPFunction",
     "LoRAOFunction",
     "LoRAPackedQKVFunction",
     "LoRAQKVFunction",
     "LoRAWeights",
+    "LogProbOutputs",
     "NF4LinearFunction",
     "RMSNormFunction",
     "RoPEFunction",
@@ -59,9 +70,11 @@ __all__ = [
     "dequantize_nf4",
     "dequantize_nf4_reference",
     "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
     "geglu",
     "geglu_reference",
     "linear_cross_entropy_reference",
+    "linear_logprobs_reference",
     "lora_gate_up_mlp",
     "lora_mlp",
     "lora_o",

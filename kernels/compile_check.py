@@ -235,7 +235,15 @@ def _groups(model: Model, rank: int, dtype: torch.dtype, nf4: bool) -> Iterator[
 
 
 def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:
-    from fastft.kernels import apply_rope, dequantize_nf4, fused_linear_cross_entropy, geglu, rms_norm, swiglu
+    from fastft.kernels import (
+        apply_rope,
+        dequantize_nf4,
+        fused_linear_cross_entropy,
+        fused_linear_logprobs,
+        geglu,
+        rms_norm,
+        swiglu,
+    )
 
     def norm() -> None:
         x, w = _meta((1, TOKENS, model.hidden), dtype, True), _meta((model.hidden,), dtype, True)
@@ -275,6 +283,17 @@ def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[]
         labels = _meta((TOKENS,), torch.int64)
         _backward(fused_linear_cross_entropy(hidden, weight, labels, softcap=30.0), [hidden])
 
+    def logprobs(outputs: tuple[str, ...], bias: bool = False, **options: float) -> Callable[[], None]:
+        def run() -> None:
+            hidden = _meta((TOKENS, model.hidden), dtype, True)
+            weight = _meta((model.vocab, model.hidden), dtype)
+            head_bias = _meta((model.vocab,), dtype) if bias else None
+            targets = _meta((TOKENS,), torch.int64)
+            out = fused_linear_logprobs(hidden, weight, targets, bias=head_bias, outputs=outputs, **options)
+            _backward(tuple(t for t in (out.log_probs, out.entropy) if t is not None), [hidden])
+
+        return run
+
     def nf4() -> None:
         weight = _nf4_weight(model.intermediate, model.hidden, dtype)
         dequantize_nf4(weight.weight, weight.quant_state, dtype=dtype)
@@ -288,6 +307,18 @@ def _others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[]
         ("geglu", geglu_gate),
         ("fused_linear_cross_entropy", loss),
         ("fused_linear_cross_entropy softcap", loss_softcap),
+        ("fused_linear_logprobs", logprobs(("entropy",))),
+        ("fused_linear_logprobs log_probs only", logprobs(())),
+        (
+            "fused_linear_logprobs all outputs, bias, softcap, scale, temperature",
+            logprobs(
+                ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+                bias=True,
+                softcap=30.0,
+                logit_scale=0.5,
+                temperature=0.7,
+            ),
+        ),
         ("dequantize_nf4", nf4),
     )
 

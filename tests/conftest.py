@@ -155,3 +155,11 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
             full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
             weights[name] = full.detach().cpu().clone().contiguous()
     return weights
+
+
+def trl_logprobs_status() -> str:
+    """The ``trl.fused_logprobs`` row's status with the installed trl: applied where trl installs its fused LM head
+    on the model (1.16, the version the patch was written for), not applicable where it has no such hook (< 1.15)."""
+    from trl.trainer import utils
+
+    return "applied" if hasattr(utils, "add_fused_lm_head") else "not applicable"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, tiny_llama_config
+from conftest import randomize_lora_b, relative_error, tiny_llama_config, trl_logprobs_status
 from parity import count, graph_nodes
 from transformers import LlamaForCausalLM
 
@@ -145,15 +145,21 @@ def test_dora_falls_back_and_matches_stock(smol_tokenizer, tmp_path):
     _assert_same(patched, stock, _batch(patched.config.vocab_size))
 
 
-def test_disabled_and_merged_adapters_run_peft_and_are_reported_live(smol_tokenizer, tmp_path):
+def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(smol_tokenizer, tmp_path):
     folder = _folder(tmp_path, smol_tokenizer)
     patched, stock = _lora(folder), _lora(folder, patch=False)
     batch = _batch(patched.config.vocab_size)
     with patched.disable_adapter(), stock.disable_adapter():
-        rows = {row["name"]: row for row in patch_report(patched)}
-        assert rows["llama.mlp"]["fallbacks"]["model.layers.1.mlp"] == "gate_proj: adapters disabled"
+        # The reference model of trl's preference trainers: the fused path with the LoRA term off, not peft's.
+        assert all(row["fallbacks"] == {} for row in patch_report(patched))
+        weights = group_weights(patched.get_base_model().model.layers[0].self_attn, ("q_proj", "k_proj", "v_proj"))
+        assert [w.lora_a is None and w.lora_b is None for w in weights] == [True, True, True], weights
         with torch.no_grad():
             assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
+        # And with gradients on (a reference forward inside the training step), the same fused nodes run.
+        hidden = patched.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+        names = graph_nodes(patched(inputs_embeds=hidden, attention_mask=batch["attention_mask"]).logits)
+        assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
     patched.eval()
     stock.eval()
     patched.merge_adapter()
@@ -239,7 +245,7 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
     vocab = model.config.vocab_size
     assert tokens > model.config.hidden_size  # so tokens × vocab is larger than the head's own weight
     head = model.get_base_model()
-    calls = head.fastft_fused_loss_calls
+    calls, logprob_calls = head.fastft_fused_loss_calls, head.fastft_fused_logprob_calls
     model.train()
     loss, numels = _saved_numels(lambda: trainer.compute_loss(model, batch))
     assert torch.isfinite(loss)
@@ -247,9 +253,13 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
     assert max(numels) < tokens * vocab, (max(numels), tokens * vocab)
     names = graph_nodes(loss)
     if Version(trl_version) >= Version("1.15"):
-        # trl's own fused LM head (installed on the model instance) computed the loss; fastft's forward never ran.
-        assert count(names, "ChunkedLogProb") == 1 and count(names, "FusedLinearCrossEntropy") == 0
-        assert head.fastft_fused_loss_calls == calls
+        # trl installs its fused LM head on the model instance and calls it instead of the model's forward; on a
+        # fastft model the trl.fused_logprobs patch answers it with fastft's fused log-prob kernel (trl 1.16).
+        fastft_head = trl_logprobs_status() == "applied"
+        assert count(names, "FusedLinearLogProbs") == int(fastft_head)
+        assert count(names, "ChunkedLogProb") == int(not fastft_head)
+        assert count(names, "FusedLinearCrossEntropy") == 0 and head.fastft_fused_loss_calls == calls
+        assert head.fastft_fused_logprob_calls == logprob_calls + int(fastft_head)
         # And no op of forward or backward produced a tensor as large as the logits (trl tiles tokens and vocab).
         largest = _largest_op_output(lambda: trainer.compute_loss(model, batch).backward())
         assert largest < tokens * vocab, (largest, tokens * vocab)

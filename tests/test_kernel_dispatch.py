@@ -17,6 +17,7 @@ PUBLIC = [
     "apply_rope",
     "swiglu",
     "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
     "dequantize_nf4",
     "nf4_linear",
 ]

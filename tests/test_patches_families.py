@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import randomize_lora_b, relative_error, trl_logprobs_status
 from parity import (
     FAMILY_VOCAB,
     LOSS_TOLERANCE,
@@ -101,6 +101,7 @@ def test_one_fused_node_per_layer_and_group_and_every_row_applied(family):
     assert {row: rows[row]["status"] for row in rows} == {
         **{f"{name}.{part}": "applied" for part in PARTS},
         "checkpoint.offload": "applied",
+        "trl.fused_logprobs": trl_logprobs_status(),
     }
     assert all(row["fallbacks"] == {} for row in rows.values()), rows
     norms = norms_per_layer(name) * LAYERS

@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import trl_logprobs_status
 from parity import assert_parity, lora_model, make_batch, save_family
 from transformers.models.llama import modeling_llama as upstream
 
@@ -99,6 +100,7 @@ def test_report_lists_every_patch_as_applied(tiny_llama_dir):
         "llama.mlp": "applied",
         "llama.causal_lm_loss": "applied",
         "checkpoint.offload": "applied",
+        "trl.fused_logprobs": trl_logprobs_status(),
     }
     assert rows["llama.rms_norm"]["modules"] == 2 * layers + 1
     assert rows["checkpoint.offload"]["modules"] == layers

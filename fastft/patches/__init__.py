@@ -1,4 +1,5 @@
-"""fastft's built-in patches: one module per architecture family, plus the offload checkpointer.
+"""fastft's built-in patches: one module per architecture family, trl's fused log-prob head, and the offload
+checkpointer.
 
 This is the one place that lists them. Each module registers its records with :mod:`fastft.registry` on import;
 the registry itself imports none of them. Importing this package registers them all (``fastft.model`` does, before
@@ -13,6 +14,7 @@ BUILTIN = (
     "fastft.patches.gemma",
     "fastft.patches.phi3",
     "fastft.patches.generic",
+    "fastft.patches.trl_logprobs",
     "fastft.checkpoint",
 )
 

@@ -66,6 +66,17 @@ class FusedLossState:
     fastft_return_logits: bool | None = None
     # How many losses the fused path computed on this instance: what tests read to know which head ran.
     fastft_fused_loss_calls: int = 0
+    # How many trl fused-head calls fastft's log-prob kernel answered (fastft.patches.trl_logprobs).
+    fastft_fused_logprob_calls: int = 0
+    # Set per instance by a patch that takes over what others assign to ``forward`` (trl's fused LM head).
+    fastft_forward_wrapper: Callable[[torch.nn.Module, Any], Any] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # trl >= 1.15 installs its fused LM head by assigning model.forward on the instance; this is the one place a
+        # per-instance patch can see that happen.
+        if name == "forward" and self.fastft_forward_wrapper is not None:
+            value = self.fastft_forward_wrapper(self, value)
+        super().__setattr__(name, value)
 
 
 def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable[..., Any]:

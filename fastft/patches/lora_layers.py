@@ -5,9 +5,11 @@ The fused path computes exactly ``base(x) + s · B(A(x))`` for one active adapte
 carry a frozen bias (Qwen2's q / k / v, Llama's ``attention_bias`` / ``mlp_bias``), added in the GEMM's epilogue.
 Anything else peft's forward would do differently makes the layer fall back to peft's own forward (slower, never
 wrong): dropout that is active, DoRA or another LoRA variant, a LoRA bias (peft's ``lora_bias=True``), several active
-adapters, adapters disabled or merged, a base layer of another type or quantiser, a trainable base weight or base
+adapters, adapters merged, a base layer of another type or quantiser, a trainable base weight or base
 bias (training them needs their gradients: full fine-tuning, peft's ``bias="all"`` / ``"lora_only"``), and any forward
-hook or replaced forward on the module, which the fused path would bypass.
+hook or replaced forward on the module, which the fused path would bypass. Disabled adapters (peft's
+``disable_adapter()``, which is how trl's DPO / KTO / GRPO get the reference model of a LoRA policy) stay on the fused
+path with the LoRA term off.
 """
 
 from __future__ import annotations
@@ -95,14 +97,16 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     reason = _hook_reason(module, label)
     if reason:
         return reason
-    if module.disable_adapters:
-        return f"{label}: adapters disabled"
     if module.merged:
         return f"{label}: adapter merged into the base weight"
     base = module.get_base_layer()
     reason = _base_reason(base, f"{label}.base_layer", training)
     if reason:
         return reason
+    if module.disable_adapters:
+        # peft's disable_adapter(): the base layer alone. That is the reference model of trl's DPO / KTO / GRPO on a
+        # LoRA policy, so it stays on the fused path, with the LoRA term off.
+        return LoRAWeights(base.weight, bias=base.bias)
     active = [name for name in module.active_adapters if name in module.lora_A]
     if len(active) > 1:
         return f"{label}: {len(active)} active adapters"
