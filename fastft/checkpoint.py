@@ -101,16 +101,21 @@ def set_mode(model: torch.nn.Module, mode: str | None) -> None:
     if not hasattr(model, _ORIGINAL_ATTR):
         setattr(model, _ORIGINAL_ATTR, getattr(model, name))
 
+        told: set[str | None] = set()
+
         def _guarded_enable(*args, **kwargs) -> None:
             chosen = getattr(model, _MODE_ATTR)
-            log = logger.warning if chosen is None else logger.info
-            log(
-                "fastft keeps gradient checkpointing mode %r chosen in get_peft_model(use_gradient_checkpointing=...) "
-                "over this request to enable it (%s %s).",
-                chosen,
-                args,
-                kwargs,
-            )
+            # trl's preference trainers re-enable checkpointing around every reference forward: say it once per mode.
+            if chosen not in told:
+                told.add(chosen)
+                log = logger.warning if chosen is None else logger.info
+                log(
+                    "fastft keeps gradient checkpointing mode %r chosen in "
+                    "get_peft_model(use_gradient_checkpointing=...) over this request to enable it (%s %s).",
+                    chosen,
+                    args,
+                    kwargs,
+                )
             _apply(model, chosen)
 
         setattr(model, name, _guarded_enable)

@@ -12,19 +12,28 @@ from fastft import __version__
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
+    from fastft.data import METHODS
     from fastft.train import TrainOptions
 
     defaults = {field.name: field.default for field in fields(TrainOptions) if field.name != "output"}
     parser = sub.add_parser(
         "train",
-        help="LoRA / QLoRA fine-tune a model with trl's SFTTrainer",
-        description="Fine-tune with LoRA (or QLoRA with --load-in-4bit). Writes the adapter, metrics.json and "
-        "loss.png into --output; checkpoints every --save-steps steps so --resume can continue a killed run.",
+        help="LoRA / QLoRA fine-tune a model with trl's SFT, DPO, KTO or GRPO trainer",
+        description="Fine-tune with LoRA (or QLoRA with --load-in-4bit): supervised (--method sft), or from "
+        "preferences (dpo: prompt/chosen/rejected rows; kto: prompt/completion/label rows, or paired ones) or "
+        "rewards (grpo: prompt/answer rows, reward 1.0 when a completion states the answer). Writes the adapter, "
+        "metrics.json and loss.png into --output; checkpoints every --save-steps steps so --resume can continue a "
+        "killed run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output", required=True, help="output folder")
     parser.add_argument("--model", help="hub id, local folder, or 'smollm2-135m' (embedded)")
-    parser.add_argument("--data", help="JSONL/JSON/CSV/Parquet/TXT file or dataset folder; default: shipped demo")
+    parser.add_argument("--method", choices=METHODS, help="trl trainer: SFT, DPO, KTO or GRPO")
+    parser.add_argument(
+        "--data",
+        help="JSONL/JSON/CSV/Parquet/TXT file or dataset folder; default: shipped demo (instructions for sft, "
+        "the preference split for dpo/kto/grpo)",
+    )
     parser.add_argument("--max-steps", type=int, help="optimizer steps (<= 0: run --epochs instead)")
     parser.add_argument("--epochs", type=float, help="epochs, when --max-steps <= 0")
     parser.add_argument("--lr", type=float, help="peak learning rate")
@@ -45,20 +54,24 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, help="random seed")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     parser.add_argument("--overwrite", action="store_true", help="start again even if --output has checkpoints")
+    parser.add_argument("--beta", type=float, help="dpo/kto: how far from the reference model (higher: less far)")
+    parser.add_argument("--num-generations", type=int, help="grpo: completions per prompt (>= 2)")
+    parser.add_argument("--max-completion-length", type=int, help="grpo: longest generated completion (tokens)")
     parser.set_defaults(**defaults, command="train")
 
 
 def _train(args: argparse.Namespace) -> int:
+    from fastft.data import DataError
     from fastft.distributed import is_main_process
-    from fastft.train import TrainOptions, run
+    from fastft.train import OptionsError, TrainOptions, run
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainOptions)}
     flag = values["gradient_checkpointing"]
     values["gradient_checkpointing"] = {"true": True, "false": False}.get(flag, flag)
     try:
         metrics = run(TrainOptions(**values))
-    except (FileNotFoundError, FileExistsError) as error:
-        # Bad paths are the user's to fix; a traceback would only bury the message.
+    except (FileNotFoundError, FileExistsError, DataError, OptionsError) as error:
+        # Bad paths, data and settings are the user's to fix; a traceback would only bury the message.
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not is_main_process():
@@ -70,9 +83,13 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    watched = metrics.get("watched")
+    moved = ""
+    if watched:
+        moved = f", {watched['metric']} {watched['head_mean']:.4f} -> {watched['tail_mean']:.4f} (first / last fifth)"
     print(
         f"fastft train: {metrics['global_step']} steps, loss {metrics['first_loss']:.4f} -> "
-        f"{metrics['last_loss']:.4f}; adapter, metrics.json and loss.png in {args.output}"
+        f"{metrics['last_loss']:.4f}{moved}; adapter, metrics.json and loss.png in {args.output}"
     )
     return 0
 

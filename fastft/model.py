@@ -14,7 +14,14 @@ import transformers
 from packaging.version import Version
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from fastft import checkpoint, distributed, patches  # noqa: F401  (patches: registers the built-in ones)
 from fastft.contracts import (
@@ -36,6 +43,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3 / Phi-4-mini pack q | k | v and gate | up into one projection each.
 PACKED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# What from_pretrained(task=...) loads; a sequence classifier is what trl's RewardTrainer trains (num_labels=1).
+TASKS = {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModelForSequenceClassification}
+# The classifier heads transformers' sequence-classification models name: trained whole (peft's modules_to_save),
+# so never quantised.
+_CLASSIFIER_HEADS = ["score", "classifier"]
 
 
 def default_target_modules(model: torch.nn.Module) -> tuple[str, ...]:
@@ -112,7 +124,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return resolved
 
 
-def _quantization_config(dtype: torch.dtype) -> Any:
+def _quantization_config(dtype: torch.dtype, task: str = "causal-lm") -> Any:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
@@ -127,7 +139,13 @@ def _quantization_config(dtype: torch.dtype) -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype,
+        **({"llm_int8_skip_modules": _CLASSIFIER_HEADS} if task == "sequence-classification" else {}),
     )
+
+
+def is_sequence_classifier(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the base model of a ``PeftModel``) is a ``...ForSequenceClassification``."""
+    return type(_base_model(model)).__name__.endswith("ForSequenceClassification")
 
 
 def _base_model(model: torch.nn.Module) -> PreTrainedModel:
@@ -233,12 +251,14 @@ def keep_trainable_fp32(model: torch.nn.Module) -> list[str]:
     copies (a trained ``embed_tokens`` or ``lm_head``), and trl's ``SFTTrainer`` casts every trained weight of a 4-bit
     model to bf16 when it is built. This casts each trained weight that is not fp32 back to fp32 in place (the
     Parameter objects stay the same) and gives each ``modules_to_save`` copy hooks that hand its outputs on in fp16.
-    A model whose frozen weights are not fp16 (an fp32 or bf16 base, trained without a gradient scaler) is left as it
-    is. Calling it again is harmless.
+    Over an fp32 base (CPU training) trained weights in a lower precision only lose accuracy, so they are made fp32
+    too (trl casts the adapters of a 4-bit model to bf16, which over an fp32 base also breaks a classifier head's
+    ``modules_to_save`` copy: "expected m1 and m2 to have the same dtype"). A bf16 base is left as it is. Calling
+    it again is harmless.
 
     :meth:`FastModel.get_peft_model` and :meth:`FastModel.load_adapter` (with ``is_trainable=True``) call it;
-    ``fastft train`` calls it again once the ``SFTTrainer`` is built. Call it yourself after building an
-    ``SFTTrainer`` around a 4-bit fp16 model to undo trl's bf16 cast.
+    ``fastft train`` calls it again once the trainer is built. Call it yourself after building a trl trainer
+    (``SFTTrainer``, ``DPOTrainer``, ...) around a 4-bit fp16 or fp32 model to undo trl's bf16 cast.
 
     Args:
         model: A ``PeftModel`` (or any module) whose trained weights have ``requires_grad`` set.
@@ -249,7 +269,7 @@ def keep_trainable_fp32(model: torch.nn.Module) -> list[str]:
     from peft.utils.other import ModulesToSaveWrapper
 
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
-    if torch.float16 not in frozen:
+    if torch.float16 not in frozen and frozen != {torch.float32}:
         return []
     cast = []
     for name, parameter in model.named_parameters():
@@ -257,7 +277,9 @@ def keep_trainable_fp32(model: torch.nn.Module) -> list[str]:
             # .data, not a new Parameter: tied weights and anything already holding the Parameter keep seeing it.
             parameter.data = parameter.data.to(torch.float32)
             cast.append(name)
-    for wrapper in model.modules():
+    # An fp32 copy over an fp16 base takes and gives fp16 activations; over an fp32 base it needs no hooks.
+    wrappers = model.modules() if torch.float16 in frozen else ()
+    for wrapper in wrappers:
         if not isinstance(wrapper, ModulesToSaveWrapper):
             continue
         for copy in wrapper.modules_to_save.values():
@@ -269,7 +291,7 @@ def keep_trainable_fp32(model: torch.nn.Module) -> list[str]:
             copy.register_forward_hook(hooks.after, with_kwargs=True)
             copy._fastft_fp32_copy = True
     if cast:
-        logger.info("fastft: %d trained weights cast to fp32 over the fp16 base", len(cast))
+        logger.info("fastft: %d trained weights cast to fp32 over the %s base", len(cast), "/".join(map(str, frozen)))
     return cast
 
 
@@ -294,9 +316,11 @@ class FastModel:
         load_in_4bit: bool = False,
         gguf_file: str | None = None,
         patch: bool = True,
+        task: str = "causal-lm",
         **hf_kwargs: Any,
     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-        """Load a causal LM and its tokenizer, ready for ``get_peft_model``.
+        """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
+        ``get_peft_model``.
 
         On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
         ``accelerate launch`` (one process per GPU, see :mod:`fastft.distributed`), else the current one.
@@ -321,8 +345,13 @@ class FastModel:
                 ``dtype`` (so in fp16 on GPUs older than compute capability 8.0). Works on CPU too.
             gguf_file: A GGUF file inside ``model_name``; it is converted once into fastft's cache.
             patch: Apply fastft's patches; ``False`` keeps the stock upstream modules.
-            **hf_kwargs: Passed to ``AutoModelForCausalLM.from_pretrained`` (``revision``, ``token``,
-                ``attn_implementation``, ...).
+            task: ``"causal-lm"`` (``AutoModelForCausalLM``) or ``"sequence-classification"``
+                (``AutoModelForSequenceClassification`` with ``num_labels`` outputs, default 1: the reward model trl's
+                ``RewardTrainer`` trains). The decoder layers of a classifier run fastft's fused kernels like a
+                causal LM's; its new classifier head is initialised by transformers, kept unquantised under
+                ``load_in_4bit`` and trained whole by ``get_peft_model``.
+            **hf_kwargs: Passed to the model class's ``from_pretrained`` (``revision``, ``token``,
+                ``attn_implementation``, ``num_labels`` for a classifier, ...).
 
         Returns:
             ``(model, tokenizer)``.
@@ -335,6 +364,15 @@ class FastModel:
         """
         if not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1:
             raise ValueError(f"fastft.from_pretrained: max_seq_length must be a positive int, got {max_seq_length!r}.")
+        if task not in TASKS:
+            raise ValueError(f"fastft.from_pretrained: task must be one of {sorted(TASKS)}, got {task!r}.")
+        if task == "causal-lm" and "num_labels" in hf_kwargs:
+            # Without this, num_labels would land silently in a causal LM's config and a reward trainer would train
+            # on its vocabulary-wide logits.
+            raise ValueError(
+                "fastft.from_pretrained: num_labels is for a classifier head, which a causal LM does not have; for "
+                "a reward model pass task='sequence-classification' (num_labels defaults to 1)."
+            )
         if load_in_4bit and "quantization_config" in hf_kwargs:
             raise ValueError(
                 "fastft.from_pretrained: pass either load_in_4bit=True or a quantization_config, not both."
@@ -358,7 +396,7 @@ class FastModel:
                     )
                 # The resolved dtype, so a bf16 request on an older GPU warns once, not again for the base.
                 model, tokenizer = FastModel.from_pretrained(
-                    base_name, max_seq_length, torch_dtype, load_in_4bit, patch=patch, **hf_kwargs
+                    base_name, max_seq_length, torch_dtype, load_in_4bit, patch=patch, task=task, **hf_kwargs
                 )
                 return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
         config = _config_before_loading(source, hf_kwargs)
@@ -366,9 +404,11 @@ class FastModel:
         check_checkpoint(source, config)
         load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
         if load_in_4bit:
-            load_kwargs["quantization_config"] = _quantization_config(torch_dtype)
+            load_kwargs["quantization_config"] = _quantization_config(torch_dtype, task)
+        if task == "sequence-classification":
+            load_kwargs["num_labels"] = 1
         load_kwargs.update(hf_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs)
+        model = TASKS[task].from_pretrained(source, **load_kwargs)
         _check_base(model)
         if load_in_4bit:
             _guard_bnb_cpu_repack(model, torch_dtype)
@@ -444,13 +484,19 @@ class FastModel:
             apply_patches(model)
         for parameter in model.parameters():
             parameter.requires_grad_(False)
+        task_type = "SEQ_CLS" if is_sequence_classifier(model) else "CAUSAL_LM"
+        if lora_kwargs.setdefault("task_type", task_type) != task_type:
+            raise ValueError(
+                f"fastft.get_peft_model: task_type={lora_kwargs['task_type']!r} does not fit {type(model).__name__}, "
+                f"which takes {task_type!r} (leave task_type out: it follows the model; for a reward model load "
+                "it with FastModel.from_pretrained(..., task='sequence-classification'))."
+            )
         config = LoraConfig(
             r=r,
             lora_alpha=lora_alpha,
             lora_dropout=lora_dropout,
             target_modules=targets,
             bias=lora_kwargs.pop("bias", "none"),
-            task_type=lora_kwargs.pop("task_type", "CAUSAL_LM"),
             **lora_kwargs,
         )
         devices = list(range(torch.cuda.device_count()))

@@ -1,4 +1,5 @@
-"""The main job: LoRA / QLoRA fine-tuning with trl's SFTTrainer, with resume, metrics and a loss plot."""
+"""The main job: LoRA / QLoRA fine-tuning with trl's SFTTrainer, or preference / RL training with its DPOTrainer,
+KTOTrainer or GRPOTrainer, with resume, metrics and a loss plot."""
 
 from __future__ import annotations
 
@@ -9,20 +10,27 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from trl import SFTTrainer
 
-from fastft.data import load_rows, to_sft_rows
+from fastft.data import METHODS, load_rows, prepare_rows
 from fastft.distributed import launch
 from fastft.environment import package_versions
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
 from fastft.plot import plot_loss
-from fastft.trl import StopOnSignal, loss_history, sft_config
+from fastft.trl import StopOnSignal, answer_reward, dpo_config, grpo_config, kto_config, loss_history, sft_config
 
 logger = logging.getLogger(__name__)
 
 VERSIONED = ("fastft", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "triton")
+# The logged number that shows a preference / RL run learning: DPO's and KTO's reward margin (chosen minus rejected
+# implicit reward), GRPO's mean reward.
+WATCHED = {"dpo": "rewards/margins", "kto": "rewards/margins", "grpo": "reward"}
+
+
+class OptionsError(ValueError):
+    """Settings of ``fastft train`` that cannot work together (found before the model is loaded)."""
 
 
 @dataclass
@@ -31,6 +39,7 @@ class TrainOptions:
 
     output: str
     model: str = "smollm2-135m"
+    method: str = "sft"
     data: str | None = None
     max_steps: int = 60
     epochs: float = 1.0
@@ -49,6 +58,9 @@ class TrainOptions:
     seed: int = 3407
     resume: bool = False
     overwrite: bool = False
+    beta: float = 0.1
+    num_generations: int = 4
+    max_completion_length: int = 64
 
 
 def versions() -> dict[str, str | None]:
@@ -105,26 +117,124 @@ def _check_output(options: TrainOptions) -> str | None:
     return None
 
 
-def run(options: TrainOptions) -> dict:
-    """Fine-tune, write the adapter, ``metrics.json`` and ``loss.png`` into ``options.output``.
+def _config(options: TrainOptions, output: Path, dtype: torch.dtype) -> Any:
+    """The trl config of ``options.method``; settings trl refuses become an :class:`OptionsError`."""
+    common = dict(
+        max_steps=options.max_steps,
+        num_train_epochs=options.epochs,
+        learning_rate=options.lr,
+        per_device_train_batch_size=options.batch_size,
+        gradient_accumulation_steps=options.grad_accum,
+        warmup_steps=options.warmup_steps,
+        save_steps=options.save_steps,
+        seed=options.seed,
+    )
+    try:
+        if options.method == "dpo":
+            return dpo_config(str(output), dtype, options.seq_len, beta=options.beta, **common)
+        if options.method == "kto":
+            return kto_config(str(output), dtype, options.seq_len, beta=options.beta, **common)
+        if options.method == "grpo":
+            return grpo_config(
+                str(output), dtype, options.max_completion_length, num_generations=options.num_generations, **common
+            )
+        return sft_config(str(output), dtype, options.seq_len, **common)
+    except ValueError as error:  # e.g. GRPO: batch size * grad accum not divisible by --num-generations
+        raise OptionsError(f"fastft train --method {options.method}: {error}") from error
 
-    Under torchrun / ``accelerate launch`` every process trains (DDP, ``batch_size`` examples each per step) and only
-    rank 0 writes files; every process returns the metrics.
+
+def _trainer(options: TrainOptions, model: Any, tokenizer: Any, dataset: Any, config: Any, callbacks: list) -> Any:
+    """The trl trainer of ``options.method`` over the LoRA model."""
+    common = dict(model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=callbacks)
+    if options.method == "dpo":
+        from trl import DPOTrainer
+
+        trainer = DPOTrainer(**common)
+    elif options.method == "kto":
+        from trl import KTOTrainer
+
+        trainer = KTOTrainer(**common)
+    elif options.method == "grpo":
+        from trl import GRPOTrainer
+
+        trainer = GRPOTrainer(reward_funcs=[answer_reward], **common)
+    else:
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(**common)
+    _drop_reference_copy(model)
+    return trainer
+
+
+def _drop_reference_copy(model: Any) -> None:
+    """Remove the frozen copy trl makes of a fresh adapter as its reference.
+
+    Given a LoRA model and no reference model, trl (1.x) adds an adapter named ``ref``, a copy of ``default``, and
+    scores the reference through it. A fresh adapter (LoRA B all zero) changes nothing, so its copy is the base model:
+    without the copy trl disables the adapters for the reference forward instead, which computes the same numbers
+    without the extra LoRA products (fastft's fused layers serve disabled adapters), and the checkpoints and the
+    saved adapter hold only the trained one. A copy of an adapter that was trained before is kept.
+    """
+    if "ref" not in getattr(model, "peft_config", {}):
+        return
+    fresh = all(not parameter.any() for name, parameter in model.named_parameters() if ".lora_B.default." in f"{name}.")
+    if fresh:
+        model.delete_adapter("ref")
+
+
+def _watched(method: str, history: list[dict[str, float]]) -> dict[str, Any] | None:
+    """How the method's watched number (:data:`WATCHED`) moved: mean of the first and of the last fifth of the steps
+    that logged it."""
+    name = WATCHED.get(method)
+    values = [row[name] for row in history if name in row] if name else []
+    if not values:
+        return None
+    k = max(1, len(values) // 5)
+    head, tail = sum(values[:k]) / k, sum(values[-k:]) / k
+    return {
+        "metric": name,
+        "first": values[0],
+        "last": values[-1],
+        "head_mean": head,
+        "tail_mean": tail,
+        "rose": tail > head,
+    }
+
+
+def run(options: TrainOptions) -> dict:
+    """Train, write the adapter, ``metrics.json`` and ``loss.png`` into ``options.output``.
+
+    ``options.method`` picks trl's trainer: ``"sft"`` (SFTTrainer), ``"dpo"`` (DPOTrainer), ``"kto"`` (KTOTrainer)
+    or ``"grpo"`` (GRPOTrainer, rewarded by :func:`fastft.trl.answer_reward`); the data must have that method's
+    columns (:func:`fastft.data.check_columns`). Under torchrun / ``accelerate launch`` every process trains (DDP,
+    ``batch_size`` examples each per step) and only rank 0 writes files; every process returns the metrics.
 
     Args:
         options: The run's settings.
 
     Returns:
         The metrics written to ``metrics.json``; ``metrics["completed"]`` is ``False`` when a signal stopped
-        the run early (a checkpoint was saved; rerun with ``resume=True``).
+        the run early (a checkpoint was saved; rerun with ``resume=True``). For DPO, KTO and GRPO,
+        ``metrics["watched"]`` says how the reward margin (mean reward for GRPO) moved.
+
+    Raises:
+        FileNotFoundError: ``options.data`` does not exist.
+        FileExistsError: ``options.output`` holds checkpoints and neither ``resume`` nor ``overwrite`` is set.
+        fastft.data.DataError: The data cannot be read, or lacks the method's columns.
+        OptionsError: An unknown method, or settings the method's trainer refuses.
+        (All of them before the model is loaded.)
     """
+    if options.method not in METHODS:
+        raise OptionsError(f"fastft train: unknown --method {options.method!r}; choose one of {', '.join(METHODS)}.")
     job = launch()
     resume_from = _check_output(options)
-    rows = load_rows(options.data)  # a bad --data fails here, before model loading and before --output exists
+    # Bad --data or settings fail here, before model loading and before --output exists.
+    rows = load_rows(options.data, options.method)
     output = Path(options.output)
+    dtype = resolve_dtype(options.dtype)
+    config = _config(options, output, dtype)
     if job.is_main:
         output.mkdir(parents=True, exist_ok=True)
-    dtype = resolve_dtype(options.dtype)
     model, tokenizer = FastModel.from_pretrained(
         options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
     )
@@ -136,24 +246,9 @@ def run(options: TrainOptions) -> dict:
         use_gradient_checkpointing=options.gradient_checkpointing,
         random_state=options.seed,
     )
-    dataset = to_sft_rows(rows, tokenizer)
-    config = sft_config(
-        str(output),
-        dtype,
-        options.seq_len,
-        max_steps=options.max_steps,
-        num_train_epochs=options.epochs,
-        learning_rate=options.lr,
-        per_device_train_batch_size=options.batch_size,
-        gradient_accumulation_steps=options.grad_accum,
-        warmup_steps=options.warmup_steps,
-        save_steps=options.save_steps,
-        seed=options.seed,
-    )
+    dataset = prepare_rows(rows, options.method, tokenizer)
     stopper = StopOnSignal()
-    trainer = SFTTrainer(
-        model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=[stopper]
-    )
+    trainer = _trainer(options, model, tokenizer, dataset, config, [stopper])
     # trl casts the trained weights of a 4-bit model to bf16 while building the trainer; an fp16 run (GPUs below
     # compute capability 8.0) keeps them in fp32 for its gradient scaler. The optimizer is only built in train().
     keep_trainable_fp32(model)
@@ -165,12 +260,14 @@ def run(options: TrainOptions) -> dict:
     head, tail = losses[: max(1, len(losses) // 5)], losses[-max(1, len(losses) // 5) :]
     metrics = {
         "completed": completed,
+        "method": options.method,
         "steps": history,
         "global_step": trainer.state.global_step,
         "max_steps": trainer.state.max_steps,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "loss_fell": bool(losses) and sum(tail) / len(tail) < sum(head) / len(head),
+        "watched": _watched(options.method, history),
         "train_runtime_s": result.metrics.get("train_runtime"),
         "this_session_s": time.perf_counter() - started,
         "resumed_from": Path(resume_from).name if resume_from else None,
@@ -186,5 +283,8 @@ def run(options: TrainOptions) -> dict:
             tokenizer.save_pretrained(output)
         (output / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         if losses:
-            plot_loss([row["step"] for row in history], losses, output / "loss.png", f"fastft train: {options.model}")
+            title = f"fastft train: {options.model}"
+            if options.method != "sft":
+                title = f"fastft train --method {options.method}: {options.model}"
+            plot_loss([row["step"] for row in history], losses, output / "loss.png", title)
     return metrics

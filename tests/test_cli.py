@@ -15,18 +15,24 @@ import pytest
 FASTFT = [sys.executable, "-m", "fastft.cli"]
 
 
-def _env(reference_kernels: bool = True) -> dict[str, str]:
+def _env(reference_kernels: bool = True, one_thread: bool = False) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if reference_kernels:
         # Training through Triton's interpreter would take minutes a step; the kernels are checked elsewhere.
         env["FASTFT_DISABLE_TRITON"] = "1"
+    if one_thread:
+        # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait on each other
+        # (a DPO step of the embedded model measured 28 s on two threads, 2-4 s on one).
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def _run(args: list[str], tmp_path: Path, reference_kernels: bool = True, **kwargs) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], tmp_path: Path, reference_kernels: bool = True, one_thread: bool = False, **kwargs
+) -> subprocess.CompletedProcess:
     # Run outside the checkout: `python -m` puts the working directory on sys.path, and the repository's
     # kernels/ folder would then pose as the PyPI package `kernels` that bitsandbytes and transformers import.
-    env = _env(reference_kernels)
+    env = _env(reference_kernels, one_thread)
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, **kwargs)
 
 
@@ -152,3 +158,114 @@ def test_train_bad_data_path_is_named(tiny_llama_dir, tmp_path):
     assert result.returncode != 0
     assert "nope.jsonl does not exist" in result.stderr
     assert not (tmp_path / "o").exists(), "a refused run leaves no output folder behind"
+
+
+def test_train_bad_columns_are_named_before_the_model_loads(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"question": "2 + 2?", "good": "4", "bad": "5"}) + "\n")
+    # A model that does not exist: the data check must refuse the run before anything tries to load it.
+    command = [
+        *FASTFT,
+        "train",
+        "--method",
+        "dpo",
+        "--model",
+        str(tmp_path / "no-model"),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    result = _run([*command, "--data", str(data)], tmp_path, one_thread=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"error: fastft train: {data} has the columns ['bad', 'good', 'question']" in result.stderr
+    assert "--method dpo needs 'prompt', 'chosen', 'rejected'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists(), "a refused run leaves no output folder behind"
+
+
+def _assert_preference_run(output: Path, method: str, steps: int) -> dict:
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["completed"] is True and metrics["method"] == method
+    assert [row["step"] for row in metrics["steps"]] == list(range(1, steps + 1))
+    watched = {"dpo": "rewards/margins", "kto": "rewards/margins", "grpo": "reward"}[method]
+    assert metrics["watched"]["metric"] == watched
+    assert all(watched in row for row in metrics["steps"]), metrics["steps"][0]
+    assert (output / "adapter_model.safetensors").exists() and (output / "adapter_config.json").exists()
+    # The adapter alone: trl's frozen "ref" copy of the fresh adapter is dropped (fastft.train._drop_reference_copy).
+    assert not (output / "ref").exists()
+    assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return metrics
+
+
+def test_train_dpo_killed_and_resumed_on_the_demo_preferences(tiny_llama_dir, tmp_path):
+    output = tmp_path / "run"
+    steps = 12
+    command = [*_train_command(tiny_llama_dir, output, steps), "--method", "dpo"]
+    env = _env(one_thread=True)
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    _wait_for_complete_checkpoint(output, first)
+    first.send_signal(signal.SIGKILL)
+    first_log = first.communicate(timeout=60)[0].decode(errors="replace")
+    assert first.returncode == -signal.SIGKILL, "the first run must be killed mid-way, not finish"
+    assert "it/s" in first_log or "s/it" in first_log, "training shows a progress bar"
+
+    resumed = _run([*command, "--resume"], tmp_path, one_thread=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    metrics = _assert_preference_run(output, "dpo", steps)
+    assert metrics["resumed_from"] is not None
+    assert metrics["steps"][0]["rewards/margins"] == 0.0, "step 1: the policy is the reference"
+    assert "rewards/margins" in resumed.stdout
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [
+        ("kto", ["--batch-size", "2"]),
+        ("grpo", ["--batch-size", "4", "--num-generations", "2", "--max-completion-length", "8"]),
+    ],
+)
+def test_train_kto_and_grpo_on_the_demo_preferences(tiny_llama_dir, tmp_path, method, extra):
+    output = tmp_path / "run"
+    steps = 4
+    command = [*_train_command(tiny_llama_dir, output, steps), "--method", method, "--save-steps", "2", *extra]
+    result = _run(command, tmp_path, one_thread=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    _assert_preference_run(output, method, steps)
+    assert (output / f"checkpoint-{steps}" / "trainer_state.json").exists()
+
+
+@pytest.mark.slow
+def test_dpo_on_the_embedded_model_raises_the_reward_margin(tmp_path):
+    # `fastft train --method dpo` as a user runs it on the embedded SmolLM2-135M and the shipped preference split, made
+    # short: the demo pairs are at most 58 tokens, and a higher learning rate moves the margin within 16 steps.
+    output = tmp_path / "dpo"
+    steps = 16
+    command = [
+        *FASTFT,
+        "train",
+        "--method",
+        "dpo",
+        "--output",
+        str(output),
+        "--max-steps",
+        str(steps),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--lr",
+        "5e-4",
+        "--warmup-steps",
+        "0",
+        "--save-steps",
+        "8",
+    ]
+    result = _run(command, tmp_path, one_thread=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _assert_preference_run(output, "dpo", steps)
+    margins = [row["rewards/margins"] for row in metrics["steps"]]
+    head, tail = sum(margins[:3]) / 3, sum(margins[-3:]) / 3
+    assert tail > head + 0.1, margins
+    assert metrics["watched"]["rose"] is True
+    assert sum(row["rewards/accuracies"] for row in metrics["steps"][-4:]) / 4 > 0.5, metrics["steps"][-4:]
+    assert (output / f"checkpoint-{steps}" / "trainer_state.json").exists()
+    assert "rewards/margins" in result.stdout

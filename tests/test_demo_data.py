@@ -1,4 +1,4 @@
-"""Tests for the shipped demo dataset: it is fresh, well-formed and its answers are correct."""
+"""Tests for the shipped demo datasets (instructions and preferences): fresh, well-formed, answers correct."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from fastft.demo import demo_path
-from fastft.demo.build import MONTHS, UNITS, WEEKDAYS, build_rows, to_jsonl
+from fastft.demo import demo_path, preferences_path
+from fastft.demo.build import MONTHS, UNHELPFUL, UNITS, WEEKDAYS, build_preference_rows, build_rows, to_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,91 @@ def test_every_row_is_checked(rows: list[dict[str, str]]) -> None:
     ]
     unchecked = [row for row in rows if not any(re.fullmatch(p, row["response"]) for p in patterns)]
     assert unchecked == []
+
+
+# The preference split (fastft train --method dpo | kto | grpo).
+
+
+@pytest.fixture(scope="module")
+def preferences() -> list[dict]:
+    with preferences_path().open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _expected_answer(question: str) -> str:
+    """The answer to a preference prompt, worked out here from the question alone."""
+    n = _numbers(question)
+    if re.fullmatch(r"What is \d+ \+ \d+\?|Add \d+ and \d+\.|Compute the sum of \d+ and \d+\.", question):
+        return str(n[0] + n[1])
+    if re.fullmatch(r"What is \d+ - \d+\?|Compute \d+ minus \d+\.", question):
+        return str(n[0] - n[1])
+    if re.fullmatch(r"Subtract \d+ from \d+\.", question):
+        return str(n[1] - n[0])
+    if re.fullmatch(r"What is \d+ × \d+\?|Multiply \d+ by \d+\.|What is \d+ times \d+\?", question):
+        return str(n[0] * n[1])
+    if m := re.fullmatch(r"How many letters are in the word '(\w+)'\?|Count the letters in '(\w+)'\.", question):
+        return str(len(m.group(1) or m.group(2)))
+    if m := re.fullmatch(r"(?:What|Which) (day|month) (comes after|follows|comes before|precedes) (\w+)\?", question):
+        names = WEEKDAYS if m.group(1) == "day" else MONTHS
+        step = 1 if m.group(2) in ("comes after", "follows") else -1
+        return names[(names.index(m.group(3)) + step) % len(names)]
+    factors = {(source, target): factor for source, target, factor in UNITS}
+    if m := re.fullmatch(r"Convert (\d+) (\w+) to (\w+)\.|Express (\d+) (\w+) in (\w+)\.", question):
+        amount, source, target = (m.group(1), m.group(2), m.group(3)) if m.group(1) else m.group(4, 5, 6)
+        return str(int(amount) * factors[(source, target)])
+    if m := re.fullmatch(r"How many (\w+) are in (\d+) (\w+)\?", question):
+        return str(int(m.group(2)) * factors[(m.group(3), m.group(1))])
+    if m := re.fullmatch(
+        r"Reverse the word '(\w+)'\.|Spell '(\w+)' backwards\.|Write the word '(\w+)' in reverse\.", question
+    ):
+        return next(word for word in m.groups() if word)[::-1]
+    if m := re.fullmatch(r"What is the plural of '(\w+)'\?|Give the plural form of '(\w+)'\.", question):
+        return (m.group(1) or m.group(2)) + "s"
+    raise AssertionError(f"no family matches {question!r}")
+
+
+def test_shipped_preferences_match_builder() -> None:
+    path = preferences_path()
+    assert path.name == "preferences.jsonl"
+    assert path.read_bytes() == to_jsonl(build_preference_rows()).encode("utf-8")
+    assert build_preference_rows() == build_preference_rows()
+
+
+def test_preferences_shape(preferences: list[dict]) -> None:
+    assert 100 <= len(preferences) <= 200
+    for row in preferences:
+        assert set(row) == {"prompt", "chosen", "rejected", "answer"}
+        for key, role in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant")):
+            assert len(row[key]) == 1 and set(row[key][0]) == {"role", "content"}, row
+            assert row[key][0]["role"] == role and row[key][0]["content"].strip(), row
+        assert isinstance(row["answer"], str) and row["answer"], row
+        assert row["chosen"] != row["rejected"], row
+    prompts = [row["prompt"][0]["content"] for row in preferences]
+    assert len(prompts) == len(set(prompts))
+
+
+def test_preferences_chosen_is_right_and_rejected_is_wrong_or_unhelpful(preferences: list[dict]) -> None:
+    unhelpful = 0
+    for row in preferences:
+        question, chosen, rejected = (row[key][0]["content"] for key in ("prompt", "chosen", "rejected"))
+        assert row["answer"] == _expected_answer(question), row
+        # The chosen reply ends by stating the answer: "46 - 40 = 6.", "18 liters is 18000 milliliters."
+        head, answer, tail = chosen.rpartition(row["answer"])
+        assert answer and re.fullmatch(r"'?( [a-z]+)?\.", tail), row
+        if rejected in UNHELPFUL:
+            unhelpful += 1
+            continue
+        # A wrong answer in the same sentence.
+        assert rejected.startswith(head) and rejected.endswith(tail), row
+        assert rejected[len(head) : len(rejected) - len(tail)] != row["answer"], row
+    assert 0.1 < unhelpful / len(preferences) < 0.4
+
+
+def test_preferences_score_as_grpo_rewards(preferences: list[dict]) -> None:
+    from fastft.trl import answer_reward
+
+    answers = [row["answer"] for row in preferences]
+    for key, want in (("chosen", 1.0), ("rejected", 0.0), ("prompt", 0.0)):
+        # Conversational completions, as GRPO passes them, and plain text.
+        assert answer_reward([row[key] for row in preferences], answers) == [want] * len(preferences), key
+        assert answer_reward([row[key][0]["content"] for row in preferences], answers) == [want] * len(preferences)

@@ -213,3 +213,47 @@ def test_dense_weight_of_nf4_with_in_features_off_the_blocksize():
     packed.quant_state = None  # what rebuilding the parameter (DataParallel replication) leaves
     with pytest.raises(ShapeContractError, match=r"layers\.0\.mlp\.down_proj\.weight: .*no quant_state"):
         dense_weight("layers.0.mlp.down_proj.weight", packed)
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["fp32", "nf4"])
+def test_a_reward_model_loads_as_a_fused_sequence_classifier(tiny_llama_dir, load_in_4bit):
+    model, _ = FastModel.from_pretrained(
+        str(tiny_llama_dir), max_seq_length=64, task="sequence-classification", load_in_4bit=load_in_4bit
+    )
+    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
+    # The decoder layers run fastft's kernels; the new head is a plain (never quantised) Linear.
+    assert type(model.model.layers[0].self_attn).__name__ == "FastLlamaAttention"
+    assert type(model.score) is torch.nn.Linear
+    rows = {row["name"]: row for row in patch_report(model)}
+    assert rows["trl.fused_logprobs"]["status"] == "not applicable"
+    peft_model = FastModel.get_peft_model(model, r=4, lora_alpha=8)
+    assert peft_model.peft_config["default"].task_type == "SEQ_CLS"
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    scores = peft_model(input_ids=ids).logits
+    assert scores.shape == (2, 1)
+    scores.sum().backward()
+    assert any("score" in name and p.grad is not None for name, p in peft_model.named_parameters())
+
+
+def test_task_arguments_that_do_not_fit_are_named(tiny_llama_dir):
+    with pytest.raises(ValueError, match="task must be one of"):
+        FastModel.from_pretrained(str(tiny_llama_dir), task="token-classification")
+    # num_labels on a causal LM would land silently in its config: refused, naming the way to a reward model.
+    with pytest.raises(ValueError, match="task='sequence-classification'"):
+        FastModel.from_pretrained(str(tiny_llama_dir), num_labels=1)
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    with pytest.raises(ValueError, match="task_type='SEQ_CLS' does not fit .*CausalLM.*sequence-classification"):
+        FastModel.get_peft_model(model, task_type="SEQ_CLS")
+
+
+def test_a_trainer_reenabling_checkpointing_every_step_is_told_once(tiny_llama_dir, caplog):
+    import logging
+
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
+    base = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload").get_base_model()
+    with caplog.at_level(logging.INFO, logger="fastft.checkpoint"):
+        # What trl's DPO / KTO / GRPO do around each reference forward.
+        for _ in range(3):
+            base.gradient_checkpointing_enable()
+    assert sum("keeps gradient checkpointing mode 'offload'" in r.message for r in caplog.records) == 1
+    assert is_enabled(base)

@@ -203,3 +203,17 @@ def test_fastft_train_keeps_adapters_fp32_on_a_4bit_fp16_base(tiny_llama_dir, tm
         dtypes = {key: handle.get_slice(key).get_dtype() for key in handle.keys()}  # noqa: SIM118 (not a dict)
     assert dtypes and set(dtypes.values()) == {"F32"}, dtypes
     assert json.loads((output / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_bf16_trained_weights_over_an_fp32_base_come_back_to_fp32(smol_tokenizer):
+    model = FastModel.get_peft_model(
+        _tiny_model(smol_tokenizer, torch.float32), r=4, modules_to_save=["lm_head"], use_gradient_checkpointing=False
+    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trained:
+        # What trl's trainers do to the trained weights of a 4-bit model when they are built.
+        parameter.data = parameter.data.to(torch.bfloat16)
+    assert len(keep_trainable_fp32(model)) == len(trained)
+    assert all(p.dtype == torch.float32 for p in trained)
+    # Over an fp32 base the copies compute in fp32 like everything else: no dtype hooks.
+    assert not any(getattr(module, "_fastft_fp32_copy", False) for module in model.modules())

@@ -12,8 +12,9 @@ backward); with trl >= 1.15, or without trl, training returns ``logits=None``. `
 False) overrides the choice.
 
 trl >= 1.15 ``SFTTrainer`` does not call this forward: it installs its own fused LM head on the model instance and
-calls the backbone directly. That head also never builds the full logits (it scores chunks of tokens), and it
-computes the metrics trl logs, so fastft leaves it in place; ``tests/test_trainer.py`` proves which head ran.
+calls the backbone directly. That head also never builds the full logits (it scores chunks of tokens) and computes
+the metrics trl logs; with trl 1.16 :mod:`fastft.patches.trl_logprobs` answers it with fastft's fused log-prob
+kernel, through :meth:`FusedLossState.__setattr__`. ``tests/test_fused_lora_model.py`` proves which head ran.
 """
 
 from __future__ import annotations
