@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks of bench/README.md ("A GPU session") in one command, for a machine with a CUDA GPU and no network:
 #
-#   bash bench/gpu_check.sh OUTDIR [PART]        PART: tests | tune | lora | step | all (default all)
+#   bash bench/gpu_check.sh OUTDIR [PART]        PART: tests | tune | lora | step | pref | all (default all)
 #
 # Every part first installs what it needs (again each call: a fresh machine has nothing): the wheels in $GPU_CHECK_WHEELS
 # (default .whl/ in the checkout; see bench/README.md for which) with pip --no-index --no-deps into a folder put on
 # PYTHONPATH, and this checkout with pip install --no-deps -e; then it checks that torch sees a GPU and that the
-# packages the part needs import. Each part fits one 10-minute call of the device tool; "all" runs the four in turn.
+# packages the part needs import. Each part fits one 10-minute call of the device tool; "all" runs them in turn.
 #
 #   tests  the CUDA-only tests (pytest -m cuda), then the kernel tests compiled (TRITON_INTERPRET=0)
 #   tune   FASTFT_GEMM=auto over every LoRA group of the Llama-3.2-1B shape, bf16 and NF4, forward + backward:
 #          fills the tuning cache in OUTDIR/cache and writes every choice to OUTDIR/tuner.json
 #   lora   bench/lora.py: cublas / triton / auto / peft / bare GEMMs per group; OUTDIR/lora-<gpu>.json
 #   step   fastft bench, one whole LoRA training step of the Llama-3.2-1B shape per system; OUTDIR/bench-<gpu>.json
+#   pref   bench/preference.py: one DPO and one GRPO step of trl's trainers on the embedded SmolLM2-135M, fastft
+#          against stock with and without checkpointing, device memory included; OUTDIR/preference-<gpu>.json
 #
 # Every log and JSON goes to OUTDIR; the time each part took is printed at the end (and kept in gpu_check.log).
 # Python always runs from a scratch folder outside the checkout: from the checkout's root, kernels/ would shadow the
@@ -25,14 +27,14 @@
 
 set -euo pipefail
 
-PARTS=(tests tune lora step)
+PARTS=(tests tune lora step pref)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 usage() {
     cat >&2 <<'EOF'
 usage: bash bench/gpu_check.sh [--dry-run] OUTDIR [PART]
   OUTDIR  an existing folder for logs and JSON (on the device tool: "$OUT")
-  PART    tests | tune | lora | step | all (default: all); each part fits one 10-minute call
+  PART    tests | tune | lora | step | pref | all (default: all); each part fits one 10-minute call
 EOF
 }
 
@@ -153,6 +155,7 @@ needs() {
         tune) echo "triton bitsandbytes" ;;
         lora) echo "triton peft bitsandbytes transformers" ;;
         step) echo "triton transformers peft accelerate bitsandbytes" ;;
+        pref) echo "triton transformers peft accelerate trl datasets gguf" ;;
     esac
 }
 
@@ -253,6 +256,11 @@ part_step() {
     if [ "$DRY_RUN" != 1 ]; then
         compgen -G "$OUTDIR/bench-*.json" >/dev/null || fail 1 "fastft bench wrote no $OUTDIR/bench-*.json"
     fi
+}
+
+part_pref() {
+    run "$SCRATCH" "$PY" "$ROOT/bench/preference.py" --device cuda --out "$OUTDIR/preference-cuda.json"
+    expect "$OUTDIR/preference-cuda.json"
 }
 
 setup

@@ -4,6 +4,7 @@ Usage::
 
     python bench/preference.py                         # SmolLM2-135M, DPO 2 pairs x 512 tokens, GRPO 4 generations
     python bench/preference.py --seq 64 --completion 16 --out /tmp/pref.json   # a quick run
+    python bench/preference.py --device cuda          # on a GPU (bench/gpu_check.sh OUTDIR pref)
 
 Each (method, system) runs in its own subprocess (so peak RSS is that system's alone), on the same float32 folder
 (the embedded SmolLM2-135M-Instruct converted from its GGUF), LoRA r=16 on all seven projections, LoRA B made
@@ -13,6 +14,11 @@ non-zero with the same seed on every system, and the same batch:
   trainer's default gradient checkpointing (trl's configs turn it on: transformers' recompute checkpointing);
 - ``stock-no-ckpt``: the same without gradient checkpointing (every activation kept);
 - ``fastft``: ``FastModel`` with its patches and ``use_gradient_checkpointing="offload"``.
+
+On a CPU every system computes in fp32; with ``--device cuda`` in the dtype ``FastModel`` picks for the GPU (bf16 from
+compute capability 8.0, fp16 below) with trl's mixed precision to match, and the device memory is recorded too: the
+growth of ``torch.cuda.max_memory_allocated`` over the step, which is where ``"offload"`` moves the layer inputs
+out of (the saved-bytes counter sees them either way).
 
 DPO: 2 pairs, prompt + completion = ``--seq`` tokens per sequence (4 sequences in the batch), beta 0.1, the
 reference being the policy with its adapters disabled. GRPO: one prompt of ``--seq`` minus ``--completion`` tokens,
@@ -58,12 +64,16 @@ def _text(tokens: int, tokenizer: Any, salt: int) -> str:
     return tokenizer.decode(ids)
 
 
-def build(system: str, folder: str, seq: int):
-    """The LoRA model of ``system`` and its tokenizer."""
+def build(system: str, folder: str, seq: int, device: str):
+    """The LoRA model of ``system`` and its tokenizer (on the GPU FastModel picks with ``device="cuda"``)."""
     from fastft import FastModel
 
     model, tokenizer = FastModel.from_pretrained(
-        folder, max_seq_length=2 * seq, dtype=torch.float32, patch=system == "fastft", attn_implementation="sdpa"
+        folder,
+        max_seq_length=2 * seq,
+        dtype=torch.float32 if device == "cpu" else None,
+        patch=system == "fastft",
+        attn_implementation="sdpa",
     )
     checkpointing = {"stock": True, "stock-no-ckpt": False, "fastft": "offload"}[system]
     model = FastModel.get_peft_model(
@@ -79,13 +89,14 @@ def build(system: str, folder: str, seq: int):
     return model, tokenizer
 
 
-def _common_args(system: str, out: str) -> dict[str, Any]:
+def _common_args(system: str, out: str, model: Any) -> dict[str, Any]:
+    on_gpu = model.device.type == "cuda"
     return {
         "output_dir": out,
         "report_to": "none",
-        "use_cpu": True,
-        "bf16": False,
-        "fp16": False,
+        "use_cpu": not on_gpu,
+        "bf16": on_gpu and model.dtype == torch.bfloat16,
+        "fp16": on_gpu and model.dtype == torch.float16,
         "seed": SEED,
         "max_steps": 1,
         "logging_steps": 1,
@@ -105,7 +116,7 @@ def dpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, out: str):
         "chosen": [_text(seq - prompt_tokens, tokenizer, 10 + i) for i in range(2)],
         "rejected": [_text(seq - prompt_tokens, tokenizer, 20 + i) for i in range(2)],
     }
-    args = DPOConfig(**_common_args(system, out), per_device_train_batch_size=2, max_length=seq, beta=0.1)
+    args = DPOConfig(**_common_args(system, out, model), per_device_train_batch_size=2, max_length=seq, beta=0.1)
     return DPOTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tokenizer)
 
 
@@ -118,7 +129,7 @@ def grpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, completion: 
 
     prompt = _text(seq - completion, tokenizer, 3)
     args = GRPOConfig(
-        **_common_args(system, out),
+        **_common_args(system, out, model),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=completion,
@@ -134,12 +145,12 @@ def grpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, completion: 
     )
 
 
-def probe(method: str, system: str, folder: str, seq: int, completion: int, out: str) -> dict[str, Any]:
+def probe(method: str, system: str, folder: str, seq: int, completion: int, out: str, device: str) -> dict[str, Any]:
     """One step of ``method`` on ``system`` in this process; what it measured."""
     from fastft.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
 
     torch.manual_seed(SEED)
-    model, tokenizer = build(system, folder, seq)
+    model, tokenizer = build(system, folder, seq, device)
     if method == "dpo":
         trainer = dpo_trainer(system, model, tokenizer, seq, out)
     else:
@@ -152,12 +163,19 @@ def probe(method: str, system: str, folder: str, seq: int, completion: int, out:
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train for each step
     base = model.get_base_model()
     calls = getattr(base, "fastft_fused_logprob_calls", 0)
+    on_gpu = model.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        device_before = torch.cuda.memory_allocated()
     before = resident_bytes()
     reset = reset_peak_rss()
     start = time.perf_counter()
     with SavedTensorBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
         loss = trainer.compute_loss(model, batch)
     loss.backward()
+    if on_gpu:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     record = {
         "method": method,
@@ -171,6 +189,8 @@ def probe(method: str, system: str, folder: str, seq: int, completion: int, out:
         "step_s": round(seconds, 3),
         "fused_logprob_calls": getattr(base, "fastft_fused_logprob_calls", 0) - calls,
         "tokens": int(batch["input_ids"].numel()) if "input_ids" in batch else None,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "peak_device_growth_bytes": torch.cuda.max_memory_allocated() - device_before if on_gpu else None,
     }
     if method == "grpo":
         record["tokens"] = int(batch["prompt_ids"].numel() + batch["completion_ids"].numel())
@@ -188,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (prompt + completion)")
     parser.add_argument("--completion", type=int, default=128, help="GRPO: new tokens per generation")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--out", default=str(RESULTS / "preference-cpu.json"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--out", help="the JSON record (default: results/preference-<device>.json)")
     parser.add_argument("--probe", nargs=2, metavar=("METHOD", "SYSTEM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -200,17 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         with tempfile.TemporaryDirectory() as out:
-            record = probe(*args.probe, folder, args.seq, args.completion, out)
+            record = probe(*args.probe, folder, args.seq, args.completion, out, args.device)
         print("RECORD " + json.dumps(record))
         return 0
 
-    from fastft.environment import describe_device, package_versions
+    from fastft.environment import describe_device, device_slug, package_versions
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/preference.py: --device cuda, but torch sees no CUDA device")
+    device = describe_device(torch.device(args.device))
+    out_path = Path(args.out or RESULTS / f"preference-{device_slug(device)}.json")
 
     runs = []
     for method in args.methods:
         for system in SYSTEMS:
             command = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--seq", str(args.seq)]
-            command += ["--completion", str(args.completion), "--probe", method, system]
+            command += ["--completion", str(args.completion), "--device", args.device, "--probe", method, system]
             # fastft's CPU path is its torch reference, as a user gets it, not the Triton interpreter tests turn on.
             env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
             done = subprocess.run(command, capture_output=True, text=True, cwd=str(Path.home()), env=env)
@@ -233,11 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             "saved_ratio_vs_stock": fastft["saved_bytes"] / stock["saved_bytes"],
             "saved_ratio_vs_stock_no_ckpt": fastft["saved_bytes"] / rows["stock-no-ckpt"]["saved_bytes"],
             "peak_rss_growth_ratio_vs_stock": _ratio(fastft["peak_rss_growth_bytes"], stock["peak_rss_growth_bytes"]),
+            "peak_device_growth_ratio_vs_stock": _ratio(
+                fastft["peak_device_growth_bytes"], stock["peak_device_growth_bytes"]
+            ),
             "fused_logprob_calls": fastft["fused_logprob_calls"],
         }
     record = {
         "benchmark": "bench/preference.py",
-        "device": describe_device(torch.device("cpu")),
+        "device": device,
         "platform": platform.platform(),
         "versions": package_versions(("torch", "transformers", "peft", "trl", "fastft")),
         "model": args.model,
@@ -247,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "summary": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0 if agree else 1
 

@@ -37,3 +37,10 @@ def test_preference_bench_tiny_run_writes_json(tmp_path, tiny_llama_dir):
     grpo = [run for run in record["runs"] if run["method"] == "grpo"]
     # Same seed, same generations on every system (else the GRPO comparison would mean nothing).
     assert len({run["completion_ids_checksum"] for run in grpo}) == 1
+
+
+def test_preference_bench_on_cuda_without_a_gpu_says_so(tmp_path):
+    command = [sys.executable, str(ROOT / "bench" / "preference.py"), "--device", "cuda", "--out", str(tmp_path / "x")]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "torch sees no CUDA device" in result.stderr
+    assert not (tmp_path / "x").exists()

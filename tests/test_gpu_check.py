@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-PARTS = ("tests", "tune", "lora", "step")
+PARTS = ("tests", "tune", "lora", "step", "pref")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="the script is bash")
 
@@ -136,6 +136,7 @@ def test_help_names_every_part():
                 "--rounds 2 --timeout 240 --output-dir {out} --readme {out}/bench-readme-section.md"
             ],
         ),
+        ("pref", ["python3 {root}/bench/preference.py --device cuda --out {out}/preference-cuda.json"]),
     ],
 )
 def test_dry_run_prints_each_parts_commands_and_writes_nothing(tmp_path, part, expected):
@@ -155,7 +156,7 @@ def test_dry_run_prints_each_parts_commands_and_writes_nothing(tmp_path, part, e
     assert list(out.iterdir()) == []
 
 
-def test_dry_run_all_runs_the_four_parts_in_order(tmp_path):
+def test_dry_run_all_runs_every_part_in_order(tmp_path):
     result = _script("--dry-run", str(tmp_path), env={"GPU_CHECK_WHEELS": str(tmp_path / "none")})
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
@@ -202,6 +203,10 @@ def test_each_part_runs_its_commands_outside_the_checkout_root(tmp_path, stub, p
         assert call["args"][0] == str(ROOT / "bench" / "lora.py") and "--tune-only" not in call["args"]
         assert call["args"][call["args"].index("--out-dir") + 1] == str(out)
         assert call["env"]["FASTFT_CACHE_DIR"] == str(out / "cache")
+    elif part == "pref":
+        (call,) = work
+        assert call["args"][0] == str(ROOT / "bench" / "preference.py") and "cuda" in call["args"]
+        assert (out / "preference-cuda.json").exists()
     else:
         (call,) = work
         assert call["args"][0] == str(ROOT / "bench" / "run.py")
