@@ -34,7 +34,7 @@ import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
-from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.head_inputs import check_head_inputs
 
 # Bound on one chunk's fp32 logits. 256 MiB keeps the GEMMs hundreds of rows tall (1024 rows at a 49k vocabulary,
 # 512 at Llama 3's 128k), which is where they reach full speed on a GPU, while staying a small fraction of what the
@@ -42,8 +42,6 @@ from fastft.kernels.errors import ShapeContractError
 LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 # Vocabulary columns one Triton program handles per step of its loop over the row.
 _MAX_BLOCK = 4096
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -254,49 +252,9 @@ def _validate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the inputs and return hidden as [T, H] and labels as contiguous int64 [T]."""
     _check_softcap(name, softcap)
-    if weight.dim() != 2:
-        raise ShapeContractError(
-            f"{name}: weight must be the LM head [vocab, hidden], got shape {tuple(weight.shape)}; "
-            "pass lm_head.weight (nn.Linear stores [out_features, in_features])."
-        )
-    vocab, width = weight.shape
-    if hidden.dim() < 1 or hidden.shape[-1] != width:
-        raise ShapeContractError(
-            f"{name}: hidden must be [..., {width}] to match weight [{vocab}, {width}], got shape "
-            f"{tuple(hidden.shape)}; pass the final hidden states (after the last norm), not the logits."
-        )
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ShapeContractError(
-            f"{name}: labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}; "
-            "give one label per hidden row, already shifted so that labels[..., t] is the token after position t."
-        )
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"{name}: hidden and weight must share one dtype among float32, float16, bfloat16; got "
-            f"{hidden.dtype} and {weight.dtype}. Cast one of them."
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"{name}: labels must be integer token ids, got dtype {labels.dtype}.")
-    if hidden.device != weight.device:
-        raise ValueError(
-            f"{name}: hidden ({hidden.device}) and weight ({weight.device}) must be on one device; move the LM head "
-            "or the hidden states."
-        )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{name}: chunk_size must be a positive int or None, got {chunk_size!r}.")
-
-    # Labels may live elsewhere (model parallel, a collator on the CPU); transformers moves them too.
-    flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
-    # Meta tensors (the static compile check) have shapes but no values to check.
-    if not flat_labels.is_meta and bool(bad.any()):
-        offending = flat_labels[bad]
-        raise ShapeContractError(
-            f"{name}: labels must lie in [0, {vocab}) (the rows of weight [{vocab}, {width}]) or equal ignore_index="
-            f"{ignore_index}; found {offending.numel()} outside, e.g. {offending[0].item()}. A tokenizer with added "
-            "tokens needs model.resize_token_embeddings; padding must be masked with ignore_index."
-        )
-    return hidden.reshape(-1, width), flat_labels
+    return check_head_inputs(name, hidden, weight, labels, ignore_index, what="labels")
 
 
 def _denominator(labels: torch.Tensor, ignore_index: int, num_items_in_batch: int | torch.Tensor | None):

@@ -53,7 +53,7 @@ import torch
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import LOGITS_CHUNK_BYTES, _check_softcap, _tanh_softcap
 from fastft.kernels.dispatch import tl, triton
-from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.head_inputs import check_head_inputs
 
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # Vocabulary columns per tile (trl's own tile width): a 128k vocabulary is four GEMMs per token chunk.
@@ -65,8 +65,6 @@ CPU_TILE_BYTES = 8 * 1024 * 1024
 # Columns one program handles per step of its loop (forward) / per program (backward).
 _FOLD_BLOCK = 2048
 _GRAD_BLOCK = 1024
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LogProbOutputs(NamedTuple):
@@ -555,65 +553,6 @@ def _check_options(name: str, temperature, softcap, logit_scale, outputs, chunk_
     return names
 
 
-def _validate(
-    name: str,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the tensors; return hidden as [T, H] and the targets as contiguous int64 [T]."""
-    if weight.dim() != 2 or weight.shape[0] == 0:
-        raise ShapeContractError(
-            f"{name}: weight must be the LM head [vocab, hidden] with vocab >= 1, got shape {tuple(weight.shape)}; "
-            "pass lm_head.weight (nn.Linear stores [out_features, in_features]) or the tied embedding matrix."
-        )
-    vocab, width = weight.shape
-    if hidden.dim() < 1 or hidden.shape[-1] != width:
-        raise ShapeContractError(
-            f"{name}: hidden must be [..., {width}] to match weight [{vocab}, {width}], got shape "
-            f"{tuple(hidden.shape)}; pass the final hidden states (after the last norm), not the logits."
-        )
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ShapeContractError(
-            f"{name}: targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
-            f"{tuple(targets.shape)}; give one target token id per hidden row, already shifted (targets[..., t] is "
-            "the token after position t), with ignore_index where a position is not scored."
-        )
-    if bias is not None and tuple(bias.shape) != (vocab,):
-        raise ShapeContractError(
-            f"{name}: bias must be [{vocab}] (one per row of weight [{vocab}, {width}]), got shape "
-            f"{tuple(bias.shape)}; pass lm_head.bias, or None for a head without bias."
-        )
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"{name}: hidden and weight must share one dtype among float32, float16, bfloat16; got "
-            f"{hidden.dtype} and {weight.dtype}. Cast one of them."
-        )
-    if bias is not None and not bias.dtype.is_floating_point:
-        raise TypeError(f"{name}: bias must be floating point, got dtype {bias.dtype}.")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{name}: targets must be integer token ids, got dtype {targets.dtype}.")
-    if hidden.device != weight.device or (bias is not None and bias.device != weight.device):
-        raise ValueError(
-            f"{name}: hidden ({hidden.device}), weight ({weight.device})"
-            + ("" if bias is None else f" and bias ({bias.device})")
-            + " must be on one device; move the LM head or the hidden states."
-        )
-    flat = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    # Meta tensors (the static compile check) have shapes but no values to check.
-    if not flat.is_meta and bool(bad.any()):
-        offending = flat[bad]
-        raise ShapeContractError(
-            f"{name}: targets must lie in [0, {vocab}) (the rows of weight [{vocab}, {width}]) or equal "
-            f"ignore_index={ignore_index}; found {offending.numel()} outside, e.g. {offending[0].item()}. A tokenizer "
-            "with added tokens needs model.resize_token_embeddings; padding must be masked with ignore_index."
-        )
-    return hidden.reshape(-1, width), flat
-
-
 class _Gemm:
     """The tile GEMM ``hidden_chunk @ weight[c0:c1]ᵀ`` into an fp32 tile, and the two gradient GEMMs, per device.
 
@@ -817,7 +756,7 @@ class FusedLinearLogProbsFunction(torch.autograd.Function):
         # An entropy used only for logging gets no gradient: backward then sees None, not a tensor of zeros.
         ctx.set_materialize_grads(False)
         names = _check_options(name, temperature, softcap, logit_scale, outputs, chunk_size)
-        hidden_2d, flat_targets = _validate(name, hidden, weight, bias, targets, ignore_index)
+        hidden_2d, flat_targets = check_head_inputs(name, hidden, weight, targets, ignore_index, bias=bias)
         options = _Transform(
             logit_scale=float(logit_scale),
             softcap=None if softcap is None else float(softcap),
