@@ -539,9 +539,7 @@ def test_fused_logprob_head_serves_policy_and_reference(case, steps):
     """Where fastft's trl.fused_logprobs patch applies (trl's fused LM head, trl 1.16), it computes the per-token
     log-probs of every policy and reference forward of the step."""
     fast, _ = steps(case)
-    row = fast.report.get(FUSED_LOGPROBS)
-    if row is None:
-        pytest.skip(f"fastft registers no {FUSED_LOGPROBS} patch yet (trl {trl.__version__})")
+    row = fast.report[FUSED_LOGPROBS]
     if row["status"] != "applied":
         pytest.skip(f"{FUSED_LOGPROBS} is {row['status']} with trl {trl.__version__}: {row['reason']}")
     states = [f.adapters for f in fast.forwards]

@@ -18,6 +18,7 @@ import random
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SEED = 20240611
 OUTPUT_NAME = "instructions.jsonl"
@@ -227,23 +228,40 @@ def build_rows(seed: int = SEED) -> list[Row]:
     Raises:
         RuntimeError: If a family cannot produce its quota of unique instructions.
     """
-    rng = random.Random(seed)
+
+    def draw(make: Callable[[random.Random], tuple[str, str]], rng: random.Random) -> tuple[str, Row]:
+        instruction, response = make(rng)
+        return instruction, {"instruction": instruction, "response": response}
+
+    return _unique_rows(random.Random(seed), FAMILIES, draw, "family")
+
+
+def _unique_rows(
+    rng: random.Random,
+    families: tuple[tuple[str, Any, int], ...],
+    draw: Callable[[Any, random.Random], tuple[str, dict] | None],
+    what: str,
+) -> list[dict]:
+    """Up to each family's quota of rows, none repeating a key, the families interleaved by one shuffle.
+
+    ``draw(make, rng)`` gives ``(key, row)`` from one family's generator, or None for a candidate to discard.
+    """
     seen: set[str] = set()
-    rows: list[Row] = []
-    for name, make, quota in FAMILIES:
+    rows: list[dict] = []
+    for name, make, quota in families:
         made = 0
         # Bounded retries so an over-ambitious quota fails loudly instead of looping forever.
         for _ in range(quota * 50):
             if made == quota:
                 break
-            instruction, response = make(rng)
-            if instruction in seen:
+            drawn = draw(make, rng)
+            if drawn is None or drawn[0] in seen:
                 continue
-            seen.add(instruction)
-            rows.append({"instruction": instruction, "response": response})
+            seen.add(drawn[0])
+            rows.append(drawn[1])
             made += 1
         if made < quota:
-            raise RuntimeError(f"family {name!r} produced only {made} of {quota} unique rows")
+            raise RuntimeError(f"{what} {name!r} produced only {made} of {quota} unique rows")
     # Interleave families so any prefix of the file (e.g. a short training run) sees every task.
     rng.shuffle(rows)
     return rows
@@ -390,36 +408,24 @@ def build_preference_rows(seed: int = PREFERENCES_SEED) -> list[dict]:
     """
     from fastft.data import contains_answer
 
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    for name, make, quota in PREFERENCE_FAMILIES:
-        made = 0
-        for _ in range(quota * 50):
-            if made == quota:
-                break
-            question, answer, chosen, rejected = make(rng)
-            if rng.random() < UNHELPFUL_SHARE:
-                rejected = rng.choice(UNHELPFUL)
-            valid = contains_answer(chosen, answer) and not (
-                contains_answer(rejected, answer) or contains_answer(question, answer)
-            )
-            if question in seen or not valid:
-                continue
-            seen.add(question)
-            rows.append(
-                {
-                    "prompt": _message("user", question),
-                    "chosen": _message("assistant", chosen),
-                    "rejected": _message("assistant", rejected),
-                    "answer": answer,
-                }
-            )
-            made += 1
-        if made < quota:
-            raise RuntimeError(f"preference family {name!r} produced only {made} of {quota} unique rows")
-    rng.shuffle(rows)
-    return rows
+    def draw(make: Callable[[random.Random], tuple[str, str, str, str]], rng: random.Random) -> tuple[str, dict] | None:
+        question, answer, chosen, rejected = make(rng)
+        if rng.random() < UNHELPFUL_SHARE:
+            rejected = rng.choice(UNHELPFUL)
+        valid = contains_answer(chosen, answer) and not (
+            contains_answer(rejected, answer) or contains_answer(question, answer)
+        )
+        if not valid:
+            return None
+        row = {
+            "prompt": _message("user", question),
+            "chosen": _message("assistant", chosen),
+            "rejected": _message("assistant", rejected),
+            "answer": answer,
+        }
+        return question, row
+
+    return _unique_rows(random.Random(seed), PREFERENCE_FAMILIES, draw, "preference family")
 
 
 def to_jsonl(rows: list[dict]) -> str:
