@@ -71,7 +71,7 @@ def model_folder(model: str) -> str:
     return str(materialise_gguf(folder, gguf_file)) if gguf_file is not None else folder
 
 
-def build_system(name: str, folder: str, max_seq_length: int) -> torch.nn.Module:
+def build_system(name: str, folder: str, max_seq_length: int | None) -> torch.nn.Module:
     """Load ``folder`` in float32 with sdpa attention and add LoRA the way ``name`` does it; training mode."""
     if name == PEFT:
         from peft import LoraConfig, get_peft_model
@@ -180,7 +180,7 @@ def lora_grads(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[float, 
     return loss.item(), grads
 
 
-def rss_probe(name: str, folder: str, max_seq_length: int, batch: int, seq: int) -> dict[str, Any]:
+def rss_probe(name: str, folder: str, max_seq_length: int | None, batch: int, seq: int) -> dict[str, Any]:
     """In this (fresh) process: build ``name``, reset the RSS high-water mark, run one step, read the peak."""
     from fastft.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
 
@@ -203,7 +203,9 @@ def rss_probe(name: str, folder: str, max_seq_length: int, batch: int, seq: int)
 
 def _run_rss_probe(name: str, args: argparse.Namespace, folder: str) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--rss-probe", name, "--model", folder]
-    command += ["--batch", str(args.batch), "--seq", str(args.seq), "--max-seq-length", str(args.max_seq_length)]
+    command += ["--batch", str(args.batch), "--seq", str(args.seq)]
+    if args.max_seq_length is not None:
+        command += ["--max-seq-length", str(args.max_seq_length)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"RSS probe for {name} failed:\n{result.stdout}\n{result.stderr}")
@@ -240,6 +242,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     folder = model_folder(args.model)
     models = {name: build_system(name, folder, args.max_seq_length) for name in SYSTEMS}
+    # With --max-seq-length left out, fastft picks min(2048, the model's position range): record what it chose.
+    max_seq_length = models[FASTFT].get_base_model().max_seq_length
     patches = [
         {key: row.get(key) for key in ("name", "status", "reason", "modules", "fallbacks")}
         for row in patch_report(models[FASTFT])
@@ -320,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens,
             "dtype": "float32",
             "attn_implementation": "sdpa",
-            "max_seq_length": args.max_seq_length,
+            "max_seq_length": max_seq_length,
             "lora": {"r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": TARGET_MODULES},
             "lora_tensors": lora_count,
             "gradient_checkpointing": False,
@@ -399,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-seq-length", type=int, default=1024, help="fastft's max_seq_length")
+    parser.add_argument(
+        "--max-seq-length", type=int, help="fastft's max_seq_length (default: fastft's, min(2048, the model's range))"
+    )
     parser.add_argument("--no-rss", dest="rss", action="store_false", help="skip the peak-RSS subprocesses")
     parser.add_argument("--out", type=Path, default=RESULTS / "lora-step-cpu.json")
     parser.add_argument("--rss-probe", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -409,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     # fastft's CPU path) and this benchmark would time the interpreter. The test suite sets it for the kernel tests,
     # so drop it here, before anything imports fastft; run() refuses a process where that happened earlier anyway.
     args.triton_interpret_removed = os.environ.pop("TRITON_INTERPRET", None) is not None
-    if args.seq > args.max_seq_length:
+    if args.max_seq_length is not None and args.seq > args.max_seq_length:
         parser.error(f"--seq {args.seq} is longer than --max-seq-length {args.max_seq_length}")
 
     if args.rss_probe:

@@ -2,12 +2,12 @@
 
 The public API::
 
-    from fastft import FastModel, ShapeContractError, patch_report, train_on_responses_only
+    from fastft import FastModel, HubFetchError, ShapeContractError, patch_report, train_on_responses_only
 
     model, tokenizer = FastModel.from_pretrained("smollm2-135m")
     model = FastModel.get_peft_model(model, r=16)
 
-``FastModel``, ``patch_report`` and ``train_on_responses_only`` are imported on first use, so
+``FastModel``, ``HubFetchError``, ``patch_report`` and ``train_on_responses_only`` are imported on first use, so
 ``import fastft.kernels`` (tensors only) does not pay for importing transformers and peft.
 """
 
@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from fastft.model import FastModel
     from fastft.registry import patch_report
     from fastft.responses import train_on_responses_only
+    from fastft.sources import HubFetchError
 
 _LAZY = {
     "FastModel": "fastft.model",
+    "HubFetchError": "fastft.sources",
     "patch_report": "fastft.registry",
     "train_on_responses_only": "fastft.responses",
 }
@@ -45,4 +47,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FastModel", "ShapeContractError", "__version__", "patch_report", "train_on_responses_only"]
+__all__ = ["FastModel", "HubFetchError", "ShapeContractError", "__version__", "patch_report", "train_on_responses_only"]

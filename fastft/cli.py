@@ -1,4 +1,4 @@
-"""The ``fastft`` command: ``fastft train``, ``fastft bench`` and ``fastft doctor``."""
+"""The ``fastft`` command: ``fastft train``, ``fastft export``, ``fastft bench`` and ``fastft doctor``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 def _train(args: argparse.Namespace) -> int:
     from fastft.data import DataError
     from fastft.distributed import is_main_process
+    from fastft.sources import HubFetchError
     from fastft.train import OptionsError, TrainOptions, run
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainOptions)}
@@ -70,7 +71,7 @@ def _train(args: argparse.Namespace) -> int:
     values["gradient_checkpointing"] = {"true": True, "false": False}.get(flag, flag)
     try:
         metrics = run(TrainOptions(**values))
-    except (FileNotFoundError, FileExistsError, DataError, OptionsError) as error:
+    except (FileNotFoundError, FileExistsError, DataError, OptionsError, HubFetchError) as error:
         # Bad paths, data and settings are the user's to fix; a traceback would only bury the message.
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -91,6 +92,90 @@ def _train(args: argparse.Namespace) -> int:
         f"fastft train: {metrics['global_step']} steps, loss {metrics['first_loss']:.4f} -> "
         f"{metrics['last_loss']:.4f}{moved}; adapter, metrics.json and loss.png in {args.output}"
     )
+    return 0
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    from fastft.gguf_export import QUANTIZATIONS
+
+    parser = sub.add_parser(
+        "export",
+        help="merge a LoRA adapter into its base: a plain transformers folder and/or a GGUF file",
+        description="Load the base model an adapter names (adapter_config.json's base_model_name_or_path), merge the "
+        "adapter into it and write a plain transformers folder (--merged: safetensors shards, streamed one block "
+        "of rows at a time, all-or-nothing) and/or one GGUF file for llama.cpp / Ollama (--gguf). The model in the "
+        "adapter folder is left as it is.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--adapter", required=True, help="the adapter folder `fastft train --output` wrote")
+    parser.add_argument("--merged", type=Path, help="output folder for the merged transformers model")
+    parser.add_argument("--gguf", type=Path, help="output .gguf file (or a folder: the name is derived)")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16", help="--merged dtype")
+    parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="f16", help="--gguf tensor type")
+    parser.add_argument("--max-shard-size", default="5GB", help="--merged: largest shard, e.g. 5GB or 500MB")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --merged folder")
+    parser.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="merge into the NF4-quantised base (dequantised per projection), as a QLoRA run trained on, instead of "
+        "the full-precision base",
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from fastft.merged_save import check_target
+    from fastft.shards import parse_shard_size
+
+    adapter = Path(args.adapter).expanduser()
+    try:
+        if args.merged is None and args.gguf is None:
+            raise ValueError("fastft export: nothing to write; pass --merged DIR, --gguf FILE, or both.")
+        if not (adapter / "adapter_config.json").is_file():
+            found = "does not exist" if not adapter.exists() else "has no adapter_config.json"
+            raise FileNotFoundError(
+                f"fastft export: --adapter {adapter} {found}; pass the folder `fastft train --output` wrote (it holds "
+                "adapter_config.json and adapter_model.safetensors)."
+            )
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"fastft export: {adapter}/adapter_config.json names no base_model_name_or_path.")
+        parse_shard_size(args.max_shard_size, where="fastft export --max-shard-size")
+        if args.merged is not None:
+            check_target(args.merged.expanduser(), args.overwrite, where="fastft export --merged")
+        if args.gguf is not None and args.gguf.suffix.lower() == ".gguf" and args.gguf.is_dir():
+            raise FileExistsError(f"fastft export: --gguf {args.gguf} is a folder; pass a .gguf file name.")
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        # Checked before the base model loads, so a typo costs seconds, not a model load.
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    from fastft import FastModel
+    from fastft.sources import HubFetchError
+
+    logging.getLogger("fastft").info("fastft export: loading %s with the adapter %s", base, adapter)
+    written = []
+    try:
+        model, tokenizer = FastModel.from_pretrained(str(adapter), load_in_4bit=args.load_in_4bit)
+        if args.merged is not None:
+            folder = FastModel.save_merged(
+                model,
+                tokenizer,
+                args.merged,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+            )
+            written.append(f"{folder} (transformers, {args.dtype})")
+        if args.gguf is not None:
+            file = FastModel.save_gguf(model, tokenizer, args.gguf, quantization=args.quantization)
+            written.append(f"{file} (GGUF, {args.quantization})")
+    except (FileNotFoundError, FileExistsError, NotImplementedError, ValueError, HubFetchError) as error:
+        # A missing base, a model GGUF cannot hold, diverged weights: the message says what to do.
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("fastft export: wrote " + " and ".join(written))
     return 0
 
 
@@ -177,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"fastft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _export_parser(sub)
     _bench_parser(sub)
     doctor = sub.add_parser("doctor", help="show versions, device and the patch report")
     doctor.add_argument(
@@ -194,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "train":
         return _train(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "bench":
         return _bench(args)
     from fastft.doctor import report

