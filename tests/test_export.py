@@ -47,20 +47,20 @@ def _snapshot(folder: Path) -> dict[str, str]:
     }
 
 
-def test_memory_stays_within_one_layer_and_the_output_reloads(smol_tokenizer, tmp_path):
+def _memory_worker(mode: str, smol_tokenizer, tmp_path: Path, result: str) -> dict:
+    """Run ``export_memory_worker.py`` in a process of its own and return what it measured."""
     tokenizer_dir = tmp_path / "tokenizer"
     smol_tokenizer.save_pretrained(tokenizer_dir)
-    result = subprocess.run(
-        [sys.executable, str(TESTS / "export_memory_worker.py"), "exports", str(tokenizer_dir), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=TESTS,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    record = json.loads((tmp_path / "memory.json").read_text())
+    command = [sys.executable, str(TESTS / "export_memory_worker.py"), mode, str(tokenizer_dir), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=TESTS, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    record = json.loads((tmp_path / result).read_text())
     print(json.dumps(record, indent=2))
+    return record
+
+
+def test_memory_stays_within_one_layer_and_the_output_reloads(smol_tokenizer, tmp_path):
+    record = _memory_worker("exports", smol_tokenizer, tmp_path, "memory.json")
     assert record["weight_bytes"] >= 300e6
     bound = 1.5 * (record["layer_merged_bytes"] + record["block_bytes"])
     for export in ("save_merged", "save_gguf"):
@@ -79,19 +79,7 @@ def test_memory_stays_within_one_layer_and_the_output_reloads(smol_tokenizer, tm
 
 
 def test_training_checkpoints_stay_within_the_same_bound(smol_tokenizer, tmp_path):
-    tokenizer_dir = tmp_path / "tokenizer"
-    smol_tokenizer.save_pretrained(tokenizer_dir)
-    result = subprocess.run(
-        [sys.executable, str(TESTS / "export_memory_worker.py"), "checkpoints", str(tokenizer_dir), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=TESTS,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    record = json.loads((tmp_path / "checkpoints.json").read_text())
-    print(json.dumps(record, indent=2))
+    record = _memory_worker("checkpoints", smol_tokenizer, tmp_path, "checkpoints.json")
     assert len(record["checkpoints"]) == 3 and record["checkpoint_bytes"] > 0
     bound = 1.5 * (record["layer_merged_bytes"] + record["block_bytes"])
     for save in record["checkpoints"]:
