@@ -108,7 +108,7 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
     setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
     # The upstream class, not fastft's patched subclass (FastLlamaForCausalLM): tools that read `architectures`
     # (vLLM, TGI, the hub's widgets) know only transformers' names.
-    upstream = next((cls for cls in type(base).__mro__ if cls.__module__.startswith("transformers.")), type(base))
+    upstream = next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("fastft."))
     config.architectures = [upstream.__name__]
     config.use_cache = True
     if untied:

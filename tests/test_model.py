@@ -149,6 +149,21 @@ def test_save_merged_matches_adapter_model(tiny_llama_dir, tmp_path, load_in_4bi
     assert any("lora_A" in name for name, _ in model.named_parameters())
 
 
+@pytest.mark.lane
+def test_a_patched_model_saves_under_its_upstream_class_name(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    patched = type(model)
+    assert patched.__name__ == "FastLlamaForCausalLM"
+    model.save_pretrained(tmp_path / "full")
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert type(model) is patched, "the model keeps fastft's class after saving"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=0)
+
+
 def test_save_merged_fp16_dtype(tiny_llama_dir, tmp_path):
     from safetensors import safe_open
 

@@ -79,6 +79,21 @@ class FusedLossState:
             value = self.fastft_forward_wrapper(self, value)
         super().__setattr__(name, value)
 
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """``save_pretrained`` of the upstream class, run as that class.
+
+        transformers writes ``type(self).__name__`` into the saved config's ``architectures``; vLLM, TGI and the
+        hub read that field and know ``LlamaForCausalLM``, not fastft's ``FastLlamaForCausalLM``.
+        """
+        fast_class = type(self)
+        # The first class that is not fastft's: transformers' own, or a remote-code model's.
+        upstream = next(cls for cls in fast_class.__mro__ if not cls.__module__.startswith("fastft."))
+        self.__class__ = upstream
+        try:
+            return upstream.save_pretrained(self, *args, **kwargs)
+        finally:
+            self.__class__ = fast_class
+
 
 def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable[..., Any]:
     """The forward of ``upstream_class`` (a ``...ForCausalLM``) with its training loss through the fused linear
