@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastft.merge import MergedTensor, merge_plan
-from fastft.shards import BLOCK_ELEMENTS, block_range
+from fastft.shards import BLOCK_ELEMENTS, check_block
 
 if TYPE_CHECKING:
     import gguf as gguf_types
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("f16", "bf16", "f32", "q8_0")
-_F16_MAX = 65504.0
 # Converting a few million values at a time bounds the temporaries of the q8_0 quantiser (several copies of its input)
 # on a large embedding matrix.
 _CHUNK_ELEMENTS = 1 << 24
@@ -244,17 +243,8 @@ def _store(
     offset = scratch.tell()
     row_bytes = 0
     for block in blocks:
-        finite, largest = block_range(block)
-        if not finite:
-            raise ValueError(
-                f"fastft.save_gguf: the merged tensor {name} holds NaN or inf values; the adapter (or the training "
-                "run) diverged. Check the model before exporting it."
-            )
-        if ggml_type == gguf.GGMLQuantizationType.F16 and largest > _F16_MAX:
-            raise ValueError(
-                f"fastft.save_gguf: {name} has values beyond float16's range (|x| > {_F16_MAX:g}); export with "
-                "quantization='bf16' or 'f32'."
-            )
+        fp16_fix = "export with quantization='bf16' or 'f32'" if ggml_type == gguf.GGMLQuantizationType.F16 else None
+        check_block(block, name, "fastft.save_gguf", fp16_fix)
         rows = block.reshape(-1, block.shape[-1]) if block.dim() > 1 else block.reshape(1, -1)
         step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))
         for start in range(0, rows.shape[0], step):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -117,10 +118,7 @@ class MergedTensor:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     def chunks(self, max_elements: int) -> Iterator[torch.Tensor]:
         """The merged tensor as consecutive blocks of rows (dim 0) of at most ``max_elements`` values, on the CPU.
@@ -191,15 +189,12 @@ def _fixed(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def _plain(name: str, tensor: torch.Tensor, parameter: bool) -> MergedTensor:
+    shape = dense_shape(name, tensor)  # refuses an 8-bit weight, or a 4-bit one without its quant_state
     if type(tensor).__name__ == "Params4bit":
         # Dequantised when its rows are asked for, and only then.
-        return MergedTensor(
-            name, dense_shape(name, tensor), torch.float32, parameter, lambda: dense_weight(name, tensor)
-        )
-    if type(tensor).__name__ == "Int8Params":
-        dense_shape(name, tensor)
+        return MergedTensor(name, shape, torch.float32, parameter, lambda: dense_weight(name, tensor))
     dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
-    return MergedTensor(name, tuple(tensor.shape), dtype, parameter, _fixed(tensor))
+    return MergedTensor(name, shape, dtype, parameter, _fixed(tensor))
 
 
 def merge_plan(model: torch.nn.Module) -> MergePlan:

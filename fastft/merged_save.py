@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.utils import logging as hf_logging
 
 from fastft.merge import MergedTensor, MergePlan, merge_plan
-from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, stored_bytes, write_index, write_shard
+from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
 
 try:
     from transformers.core_model_loading import revert_weight_conversion
@@ -170,7 +170,7 @@ def save_merged(
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
-    total = sum(stored_bytes(tensor, dtype) for tensor in plan.tensors)
+    total = metadata["total_size"]
     try:
         config.save_pretrained(staging)
         if base.can_generate() and getattr(base, "generation_config", None) is not None:

@@ -25,7 +25,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # Blocks of 4M values: 16 MB of float32 rows, the most of the merged weights held at once besides a 4-bit projection.
 BLOCK_ELEMENTS = 1 << 22
-_F16_MAX = 65504.0
+F16_MAX = 65504.0
 _DTYPE_NAMES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -85,10 +85,7 @@ def stored_dtype(tensor: Producer, dtype: torch.dtype) -> torch.dtype:
 
 
 def stored_bytes(tensor: Producer, dtype: torch.dtype) -> int:
-    count = 1
-    for size in tensor.shape:
-        count *= size
-    return count * stored_dtype(tensor, dtype).itemsize
+    return math.prod(tensor.shape) * stored_dtype(tensor, dtype).itemsize
 
 
 def _header(tensors: Sequence[Producer], dtype: torch.dtype) -> bytes:
@@ -110,30 +107,24 @@ def _header(tensors: Sequence[Producer], dtype: torch.dtype) -> bytes:
     return text + b" " * (-len(text) % 8)
 
 
-def block_range(block: torch.Tensor) -> tuple[bool, float]:
-    """Whether a floating-point block is all finite, and its largest magnitude, without a temporary copy of it."""
-    if not block.numel():
-        return True, 0.0
+def check_block(block: torch.Tensor, name: str, where: str, fp16_fix: str | None = None) -> None:
+    """Refuse a merged block that holds NaN or inf, or, when it is stored as float16 (``fp16_fix`` given: what to
+    do instead), one beyond float16's range. Reads the block once, without a temporary copy of it.
+
+    Raises:
+        ValueError: Naming ``where``, the tensor and the fix.
+    """
+    if not block.is_floating_point() or not block.numel():
+        return
     low, high = (value.item() for value in torch.aminmax(block))
     # aminmax propagates NaN, and an inf anywhere is the minimum or the maximum.
-    finite = math.isfinite(low) and math.isfinite(high)
-    return finite, max(-low, high) if finite else math.inf
-
-
-def _check_block(name: str, block: torch.Tensor, dtype: torch.dtype) -> None:
-    if not block.is_floating_point():
-        return
-    finite, largest = block_range(block)
-    if not finite:
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(
-            f"fastft.save_merged: the merged tensor {name} holds NaN or inf values; the adapter (or the training run) "
-            "diverged. Check the model before saving it."
+            f"{where}: the merged tensor {name} holds NaN or inf values; the adapter (or the training run) diverged. "
+            "Check the model before writing it."
         )
-    if dtype == torch.float16 and largest > _F16_MAX:
-        raise ValueError(
-            f"fastft.save_merged: {name} has values beyond float16's range (|x| > {_F16_MAX:g}); save with "
-            "dtype=torch.bfloat16 or torch.float32."
-        )
+    if fp16_fix is not None and max(-low, high) > F16_MAX:
+        raise ValueError(f"{where}: {name} has values beyond float16's range (|x| > {F16_MAX:g}); {fp16_fix}.")
 
 
 def write_shard(path: Path, tensors: Sequence[Producer], dtype: torch.dtype, progress: object | None = None) -> int:
@@ -158,7 +149,8 @@ def write_shard(path: Path, tensors: Sequence[Producer], dtype: torch.dtype, pro
             expected = stored_bytes(tensor, dtype)
             done = 0
             for block in tensor.chunks(BLOCK_ELEMENTS):
-                _check_block(tensor.name, block, target)
+                fp16_fix = "save with dtype=torch.bfloat16 or torch.float32" if target == torch.float16 else None
+                check_block(block, tensor.name, "fastft.save_merged", fp16_fix)
                 data = block.to(target).contiguous().reshape(-1).view(torch.uint8)
                 handle.write(data.numpy().data)
                 done += data.numel()

@@ -255,3 +255,22 @@ def test_fastft_export_writes_both_outputs_from_a_trained_adapter(trained_adapte
         from_gguf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name)(ids).logits
     torch.testing.assert_close(from_merged, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(from_gguf, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "expected"),
+    [(float("nan"), torch.float32, "holds NaN or inf"), (1e6, torch.float16, "beyond float16's range")],
+    ids=["nan", "fp16-overflow"],
+)
+def test_diverged_or_fp16_overflowing_weights_are_refused_and_nothing_is_left(
+    tiny_llama_dir, tmp_path, value, dtype, expected
+):
+    model, tokenizer = _lora_model(tiny_llama_dir)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n and "layers.1." in n).fill_(value)
+    with pytest.raises(ValueError, match=expected) as raised:
+        FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=dtype)
+    assert "model.layers.1." in str(raised.value)
+    with pytest.raises(ValueError, match=expected):
+        FastModel.save_gguf(model, tokenizer, tmp_path / "model.gguf", quantization="f16")
+    assert list(tmp_path.iterdir()) == []
