@@ -78,6 +78,16 @@ def randomize_lora_b(model, seed: int = 1, std: float = 0.05) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
 
 
+def lora_model(folder, load_in_4bit: bool = False, **kwargs):
+    """A model folder loaded with fastft (max_seq_length 128), with r=8 LoRA adapters whose B is non-zero."""
+    from fastft import FastModel
+
+    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=128, load_in_4bit=load_in_4bit)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, **kwargs)
+    randomize_lora_b(model)
+    return model, tokenizer
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 

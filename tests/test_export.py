@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomize_lora_b
+from conftest import lora_model
 
 import fastft.merged_save
 from fastft import FastModel
@@ -28,9 +28,7 @@ def _env() -> dict[str, str]:
 
 
 def _lora_model(folder: Path, **kwargs):
-    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=128)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False, **kwargs)
-    randomize_lora_b(model)
+    model, tokenizer = lora_model(folder, use_gradient_checkpointing=False, **kwargs)
     return FastModel.for_inference(model), tokenizer
 
 
@@ -187,9 +185,7 @@ def test_a_non_empty_folder_needs_overwrite(tiny_llama_dir, tmp_path):
 def test_a_4bit_base_merges_block_by_block_like_the_whole_merge(tiny_llama_dir, tmp_path):
     from fastft.merge import merge_plan, merged_state_dict
 
-    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=128, load_in_4bit=True)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    randomize_lora_b(model)
+    model, _ = lora_model(tiny_llama_dir, load_in_4bit=True, use_gradient_checkpointing=False)
     whole = merged_state_dict(model, torch.float32)
     for tensor in merge_plan(model).tensors:
         # Blocks of 100 values: several blocks per projection row range.

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import lora_model, relative_error
 from peft import PeftModel
 
 from fastft import FastModel, patch_report
@@ -19,13 +19,6 @@ from fastft.model import DEFAULT_TARGET_MODULES, resolve_dtype
 
 def _input_ids(vocab: int, seed: int = 7) -> torch.Tensor:
     return torch.randint(3, vocab, (2, 17), generator=torch.Generator().manual_seed(seed))
-
-
-def _lora_model(folder, load_in_4bit=False, **kwargs):
-    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=128, load_in_4bit=load_in_4bit)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, **kwargs)
-    randomize_lora_b(model)
-    return model, tokenizer
 
 
 def test_resolve_dtype_on_cpu():
@@ -121,7 +114,7 @@ def test_checkpointing_keeps_gradients(tiny_llama_dir):
     ids = _input_ids(49152)
     grads = []
     for mode in (False, "offload"):
-        model, _ = _lora_model(tiny_llama_dir, use_gradient_checkpointing=mode)
+        model, _ = lora_model(tiny_llama_dir, use_gradient_checkpointing=mode)
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     for name, grad in grads[0].items():
@@ -132,7 +125,7 @@ def test_checkpointing_keeps_gradients(tiny_llama_dir):
 def test_save_merged_matches_adapter_model(tiny_llama_dir, tmp_path, load_in_4bit):
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = _lora_model(tiny_llama_dir, load_in_4bit=load_in_4bit)
+    model, tokenizer = lora_model(tiny_llama_dir, load_in_4bit=load_in_4bit)
     ids = _input_ids(model.config.vocab_size)
     FastModel.for_inference(model)
     with torch.no_grad():
@@ -167,7 +160,7 @@ def test_a_patched_model_saves_under_its_upstream_class_name(tiny_llama_dir, tmp
 def test_save_merged_fp16_dtype(tiny_llama_dir, tmp_path):
     from safetensors import safe_open
 
-    model, tokenizer = _lora_model(tiny_llama_dir)
+    model, tokenizer = lora_model(tiny_llama_dir)
     FastModel.save_merged(model, tokenizer, tmp_path / "half")
     with safe_open(str(tmp_path / "half" / "model.safetensors"), "pt") as handle:
         dtypes = {handle.get_tensor(key).dtype for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
@@ -175,7 +168,7 @@ def test_save_merged_fp16_dtype(tiny_llama_dir, tmp_path):
 
 
 def test_adapter_reloads_in_plain_peft_without_fastft(tiny_llama_dir, tmp_path):
-    model, _ = _lora_model(tiny_llama_dir)
+    model, _ = lora_model(tiny_llama_dir)
     ids = _input_ids(model.config.vocab_size)
     FastModel.for_inference(model)
     with torch.no_grad():
@@ -205,7 +198,7 @@ def test_adapter_reloads_in_plain_peft_without_fastft(tiny_llama_dir, tmp_path):
 def test_peft_state_dict_keys_are_peft_own(tiny_llama_dir):
     from peft import get_peft_model_state_dict
 
-    model, _ = _lora_model(tiny_llama_dir)
+    model, _ = lora_model(tiny_llama_dir)
     keys = list(get_peft_model_state_dict(model))
     assert keys and all(key.startswith("base_model.model.model.layers.") for key in keys)
     assert all(key.endswith(("lora_A.weight", "lora_B.weight")) for key in keys)
