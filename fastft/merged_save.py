@@ -21,6 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.utils import logging as hf_logging
 
 from fastft.merge import MergedTensor, MergePlan, merge_plan
+from fastft.patches.causal_lm import unpatched_class
 from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
 
 try:
@@ -108,8 +109,7 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
     setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
     # The upstream class, not fastft's patched subclass (FastLlamaForCausalLM): tools that read `architectures`
     # (vLLM, TGI, the hub's widgets) know only transformers' names.
-    upstream = next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("fastft."))
-    config.architectures = [upstream.__name__]
+    config.architectures = [unpatched_class(type(base)).__name__]
     config.use_cache = True
     if untied:
         config.tie_word_embeddings = False

@@ -60,6 +60,12 @@ def head_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def unpatched_class(cls: type) -> type:
+    """The class a fastft-patched class stands in for: the first in its MRO that is not fastft's (transformers' own,
+    or a remote-code model's); ``cls`` itself when it is not patched."""
+    return next(base for base in cls.__mro__ if not base.__module__.startswith("fastft."))
+
+
 class FusedLossState:
     """The per-instance switches of a fused-loss model; a family's ``...ForCausalLM`` subclass lists it first."""
 
@@ -86,8 +92,7 @@ class FusedLossState:
         hub read that field and know ``LlamaForCausalLM``, not fastft's ``FastLlamaForCausalLM``.
         """
         fast_class = type(self)
-        # The first class that is not fastft's: transformers' own, or a remote-code model's.
-        upstream = next(cls for cls in fast_class.__mro__ if not cls.__module__.startswith("fastft."))
+        upstream = unpatched_class(fast_class)
         self.__class__ = upstream
         try:
             return upstream.save_pretrained(self, *args, **kwargs)
