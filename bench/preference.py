@@ -5,6 +5,7 @@ Usage::
     python bench/preference.py                         # SmolLM2-135M, DPO 2 pairs x 512 tokens, GRPO 4 generations
     python bench/preference.py --seq 64 --completion 16 --out /tmp/pref.json   # a quick run
     python bench/preference.py --device cuda          # on a GPU (bench/gpu_check.sh OUTDIR pref)
+    python bench/preference.py --allocator returning  # peak RSS as live memory (glibc returns freed blocks at once)
 
 Each (method, system) runs in its own subprocess (so peak RSS is that system's alone), on the same float32 folder
 (the embedded SmolLM2-135M-Instruct converted from its GGUF), LoRA r=16 on all seven projections, LoRA B made
@@ -13,7 +14,10 @@ non-zero with the same seed on every system, and the same batch:
 - ``stock``: ``FastModel.from_pretrained(..., patch=False)`` (stock transformers modules) and peft, with the
   trainer's default gradient checkpointing (trl's configs turn it on: transformers' recompute checkpointing);
 - ``stock-no-ckpt``: the same without gradient checkpointing (every activation kept);
-- ``fastft``: ``FastModel`` with its patches and ``use_gradient_checkpointing="offload"``.
+- ``fastft``: ``FastModel`` with its patches and ``use_gradient_checkpointing="offload"`` (on a CPU: recompute, the
+  input of every layer kept);
+- ``fastft-sqrt``: the same with ``use_gradient_checkpointing="sqrt"`` (one layer input in every ceil(sqrt(L)) kept,
+  the others replayed in backward: one more forward of the decoder).
 
 On a CPU every system computes in fp32; with ``--device cuda`` in the dtype ``FastModel`` picks for the GPU (bf16 from
 compute capability 8.0, fp16 below) with trl's mixed precision to match, and the device memory is recorded too: the
@@ -26,8 +30,9 @@ reference being the policy with its adapters disabled. GRPO: one prompt of ``--s
 reference forward runs), a reward of each completion's length in distinct tokens. For each, one training step is
 the trainer's ``compute_loss`` on the first batch then ``backward``; recorded: the loss, bytes saved for backward
 over the loss computation (``fastft.measure.SavedTensorBytes``, each storage once, parameters left out), peak RSS
-growth over the step (``fastft.measure``; whether the kernel let the peak be reset is recorded too), step time, and
-which log-prob head ran (``fastft_fused_logprob_calls``). The losses of the three systems must agree (1e-4 relative)
+growth over the step with the memory-mapped weights paged in beforehand (``fastft.measure``; whether the kernel let
+the peak be reset is recorded too), step time, the checkpointing mode, and which log-prob head ran
+(``fastft_fused_logprob_calls``). The losses of all systems must agree (1e-4 relative)
 or the script exits 1 after writing its record.
 """
 
@@ -51,9 +56,16 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("stock", "stock-no-ckpt", "fastft")
+SYSTEMS = ("stock", "stock-no-ckpt", "fastft", "fastft-sqrt")
 METHODS = ("dpo", "grpo")
 LOSS_TOLERANCE = 1e-4
+# glibc keeps freed blocks in its heap (and raises its mmap threshold as large blocks come and go), so by default the
+# peak RSS of a step is its live peak plus what the heap held on to. "returning" maps every block over 64 KiB on its
+# own and trims at once: slower, but the peak RSS is then the step's live memory.
+ALLOCATORS = {
+    "default": {},
+    "returning": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
+}
 SEED = 0
 
 
@@ -72,10 +84,10 @@ def build(system: str, folder: str, seq: int, device: str):
         folder,
         max_seq_length=2 * seq,
         dtype=torch.float32 if device == "cpu" else None,
-        patch=system == "fastft",
+        patch=system.startswith("fastft"),
         attn_implementation="sdpa",
     )
-    checkpointing = {"stock": True, "stock-no-ckpt": False, "fastft": "offload"}[system]
+    checkpointing = {"stock": True, "stock-no-ckpt": False, "fastft": "offload", "fastft-sqrt": "sqrt"}[system]
     model = FastModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, use_gradient_checkpointing=checkpointing, random_state=SEED
     )
@@ -147,6 +159,7 @@ def grpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, completion: 
 
 def probe(method: str, system: str, folder: str, seq: int, completion: int, out: str, device: str) -> dict[str, Any]:
     """One step of ``method`` on ``system`` in this process; what it measured."""
+    from fastft.checkpoint import get_mode
     from fastft.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
 
     torch.manual_seed(SEED)
@@ -168,6 +181,11 @@ def probe(method: str, system: str, folder: str, seq: int, completion: int, out:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         device_before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        # The weights are memory-mapped from safetensors and paged in by their first read: do that before the step,
+        # or every system's "growth" would include the whole model (about 500 MB here), not its working memory.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.sum()
     before = resident_bytes()
     reset = reset_peak_rss()
     start = time.perf_counter()
@@ -188,6 +206,7 @@ def probe(method: str, system: str, folder: str, seq: int, completion: int, out:
         "peak_reset_took": reset,
         "step_s": round(seconds, 3),
         "fused_logprob_calls": getattr(base, "fastft_fused_logprob_calls", 0) - calls,
+        "checkpointing": str(get_mode(base)),
         "tokens": int(batch["input_ids"].numel()) if "input_ids" in batch else None,
         "dtype": str(model.dtype).removeprefix("torch."),
         "peak_device_growth_bytes": torch.cuda.max_memory_allocated() - device_before if on_gpu else None,
@@ -209,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion", type=int, default=128, help="GRPO: new tokens per generation")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--out", help="the JSON record (default: results/preference-<device>.json)")
+    parser.add_argument(
+        "--allocator",
+        default="default",
+        choices=ALLOCATORS,
+        help="'returning': glibc hands freed blocks back at once, so peak RSS follows live memory, not its heap",
+    )
+    parser.add_argument("--out", help="the JSON record (default: results/preference-<device>[-returning].json)")
     parser.add_argument("--probe", nargs=2, metavar=("METHOD", "SYSTEM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -230,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/preference.py: --device cuda, but torch sees no CUDA device")
     device = describe_device(torch.device(args.device))
-    out_path = Path(args.out or RESULTS / f"preference-{device_slug(device)}.json")
+    suffix = "" if args.allocator == "default" else f"-{args.allocator}"
+    out_path = Path(args.out or RESULTS / f"preference-{device_slug(device)}{suffix}.json")
 
     runs = []
     for method in args.methods:
@@ -239,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             command += ["--completion", str(args.completion), "--device", args.device, "--probe", method, system]
             # fastft's CPU path is its torch reference, as a user gets it, not the Triton interpreter tests turn on.
             env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+            env.update(ALLOCATORS[args.allocator])
             done = subprocess.run(command, capture_output=True, text=True, cwd=str(Path.home()), env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RECORD ")]
             if done.returncode != 0 or not lines:
@@ -250,20 +277,25 @@ def main(argv: list[str] | None = None) -> int:
     agree = True
     for method in args.methods:
         rows = {run["system"]: run for run in runs if run["method"] == method}
-        fastft, stock = rows["fastft"], rows["stock"]
+        stock = rows["stock"]
         losses = [run["loss"] for run in rows.values()]
         method_agrees = max(losses) - min(losses) <= LOSS_TOLERANCE * abs(stock["loss"])
         agree = agree and method_agrees
-        summary[method] = {
-            "losses_agree": method_agrees,
-            "saved_ratio_vs_stock": fastft["saved_bytes"] / stock["saved_bytes"],
-            "saved_ratio_vs_stock_no_ckpt": fastft["saved_bytes"] / rows["stock-no-ckpt"]["saved_bytes"],
-            "peak_rss_growth_ratio_vs_stock": _ratio(fastft["peak_rss_growth_bytes"], stock["peak_rss_growth_bytes"]),
-            "peak_device_growth_ratio_vs_stock": _ratio(
-                fastft["peak_device_growth_bytes"], stock["peak_device_growth_bytes"]
-            ),
-            "fused_logprob_calls": fastft["fused_logprob_calls"],
-        }
+        summary[method] = {"losses_agree": method_agrees}
+        for system in ("fastft", "fastft-sqrt"):
+            fastft = rows[system]
+            summary[method][system] = {
+                "saved_ratio_vs_stock": fastft["saved_bytes"] / stock["saved_bytes"],
+                "saved_ratio_vs_stock_no_ckpt": fastft["saved_bytes"] / rows["stock-no-ckpt"]["saved_bytes"],
+                "peak_rss_growth_ratio_vs_stock": _ratio(
+                    fastft["peak_rss_growth_bytes"], stock["peak_rss_growth_bytes"]
+                ),
+                "peak_device_growth_ratio_vs_stock": _ratio(
+                    fastft["peak_device_growth_bytes"], stock["peak_device_growth_bytes"]
+                ),
+                "step_time_ratio_vs_stock": fastft["step_s"] / stock["step_s"],
+                "fused_logprob_calls": fastft["fused_logprob_calls"],
+            }
     record = {
         "benchmark": "bench/preference.py",
         "device": device,
@@ -272,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "seq": args.seq,
         "completion": args.completion,
+        "allocator": {"name": args.allocator, "environment": ALLOCATORS[args.allocator]},
         "load_average": os.getloadavg(),
         "runs": runs,
         "summary": summary,

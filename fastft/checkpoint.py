@@ -1,12 +1,14 @@
 """Gradient checkpointing for fastft models: the modes, and fastft's offloaded checkpointer.
 
-``use_gradient_checkpointing`` takes ``False`` (off), ``True`` (transformers' own recompute checkpointing) or
-``"offload"`` (alias ``"unsloth"``). In ``"offload"`` each decoder layer runs its forward without keeping its
-activations; its input is parked in pinned host memory (:mod:`fastft.offload`), except the last layer's, which the
-backward needs first. The backward brings the input back (the input of the layer before is already on its way while
-this one recomputes), recomputes the layer under the RNG and autocast state of its forward, so dropout draws the
-same masks, and passes the gradients on. On CPU the input stays where it is: plain recompute checkpointing, the same
-API and the same gradients.
+``use_gradient_checkpointing`` takes ``False`` (off), ``True`` (transformers' own recompute checkpointing),
+``"offload"`` (alias ``"unsloth"``) or ``"sqrt"``. In ``"offload"`` each decoder layer runs its forward without
+keeping its activations; its input is parked in pinned host memory (:mod:`fastft.offload`), except the last
+layer's, which the backward needs first. The backward brings the input back (the input of the layer before is
+already on its way while this one recomputes), recomputes the layer under the RNG and autocast state of its forward,
+so dropout draws the same masks, and passes the gradients on. On CPU the input stays where it is: plain recompute
+checkpointing, the same API and the same gradients. In ``"sqrt"`` the same checkpointer keeps the input of one layer
+in every ``ceil(sqrt(L))`` and replays the others from it in backward (:mod:`fastft.replay`): about ``2 sqrt(L)``
+layer inputs instead of ``L``, on the device, for one more forward of the decoder.
 
 The checkpointer plugs into transformers' own entry point: every ``GradientCheckpointingLayer`` calls
 ``self._gradient_checkpointing_func(layer_call, *args)`` when checkpointing is on, and that attribute is set per
@@ -28,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.offload import OffloadEngine, ParkedTensor
 from fastft.registry import PatchRecord, patch_report, register
+from fastft.replay import ReplayedInput, Segment, segment_length
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ _MODE_ATTR = "_fastft_checkpointing"
 _ORIGINAL_ATTR = "_fastft_checkpointing_original"
 _ENGINE_ATTR = "_fastft_offload_engine"
 _WARNED_ATTR = "_fastft_offload_warned"
-_ALIASES = {False: None, None: None, True: "recompute", "offload": "offload", "unsloth": "offload"}
+_ALIASES = {False: None, None: None, True: "recompute", "offload": "offload", "unsloth": "offload", "sqrt": "sqrt"}
 PATCH_NAME = "checkpoint.offload"
 
 
@@ -43,10 +46,11 @@ def resolve_mode(value: bool | str | None) -> str | None:
     """Normalise a ``use_gradient_checkpointing`` value.
 
     Args:
-        value: ``False``/``None`` (off), ``True`` (recompute), ``"offload"`` or its alias ``"unsloth"``.
+        value: ``False``/``None`` (off), ``True`` (recompute), ``"offload"`` or its alias ``"unsloth"``, or
+            ``"sqrt"``.
 
     Returns:
-        ``None``, ``"recompute"`` or ``"offload"``.
+        ``None``, ``"recompute"``, ``"offload"`` or ``"sqrt"``.
 
     Raises:
         ValueError: Any other value.
@@ -56,7 +60,7 @@ def resolve_mode(value: bool | str | None) -> str | None:
         return _ALIASES[key]
     raise ValueError(
         f"fastft.get_peft_model: use_gradient_checkpointing={value!r} is not a mode; "
-        "use False, True, 'offload' or 'unsloth' (an alias of 'offload')."
+        "use False, True, 'offload' or 'unsloth' (an alias of 'offload'), or 'sqrt'."
     )
 
 
@@ -129,19 +133,20 @@ def _apply(model: torch.nn.Module, mode: str | None) -> None:
         return
     # Non-reentrant checkpointing needs no requires_grad on the (frozen) embedding output.
     getattr(model, _ORIGINAL_ATTR)({"use_reentrant": False})
-    if mode != "offload":
+    if mode == "recompute":
         return
     engine = getattr(model, _ENGINE_ATTR, None)
     if engine is None:
         if not getattr(model, _WARNED_ATTR, False):
             setattr(model, _WARNED_ATTR, True)
             logger.warning(
-                "fastft: use_gradient_checkpointing='offload' runs transformers' recompute checkpointing on this "
+                "fastft: use_gradient_checkpointing=%r runs transformers' recompute checkpointing on this "
                 "model, which keeps every layer input on the device, because %s.",
+                mode,
                 _why_not_hooked(model),
             )
         return
-    install(model, engine)
+    install(model, engine, replay=mode == "sqrt")
 
 
 def _why_not_hooked(model: torch.nn.Module) -> str:
@@ -307,6 +312,12 @@ class _LayerCall:
             items[position] = tensor
         return items
 
+    def replay(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The layer's first output from ``tensor`` as its only positional input, as the forward computed it."""
+        with torch.no_grad(), self.replayed_state():
+            outputs = self.function(*self.arguments([tensor]))
+        return _flatten(outputs, self.owner)[0][0]
+
     @contextlib.contextmanager
     def replayed_state(self) -> Iterator[None]:
         """The RNG and autocast state of the forward, for the recompute; the caller's RNG is left as it was."""
@@ -382,10 +393,14 @@ class LayerCheckpoint:
         slot: The layer's position among the checkpointed layers.
         engine: The model's :class:`~fastft.offload.OffloadEngine`.
         keep_on_device: Keep the input on its device (the last layer: its backward comes first).
+        segment: Layers per replay segment (``"sqrt"``: :mod:`fastft.replay`); 0 keeps every input.
     """
 
-    def __init__(self, layer: torch.nn.Module, slot: int, engine: OffloadEngine, keep_on_device: bool) -> None:
+    def __init__(
+        self, layer: torch.nn.Module, slot: int, engine: OffloadEngine, keep_on_device: bool, segment: int = 0
+    ) -> None:
         self.layer, self.slot, self.engine, self.keep_on_device = layer, slot, engine, keep_on_device
+        self.segment = segment
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -401,17 +416,37 @@ class LayerCheckpoint:
             owner, function, args, self.slot, self.engine, not self.keep_on_device, parameters, keyword_paths
         )
         keyword_tensors = [_keyword(function, path) for path in keyword_paths]
-        hooks = (
-            torch.autograd.graph.saved_tensors_hooks(call.park, ParkedTensor.take)
-            if call.offload
-            else contextlib.nullcontext()
-        )
+        joined = self.engine.chain.join(tensors[0], call, self.segment) if self.segment and len(tensors) == 1 else None
+        if joined is not None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(_replayed_pack(tensors[0], *joined), ReplayedInput.take)
+        elif call.offload:
+            hooks = torch.autograd.graph.saved_tensors_hooks(call.park, ParkedTensor.take)
+        else:
+            hooks = contextlib.nullcontext()
         with hooks:
             flat = _CheckpointedLayer.apply(call, *tensors, *keyword_tensors, *parameters)
+        if self.segment:
+            if len(tensors) == 1 and flat:
+                self.engine.chain.follow(tensors[0], call, flat[0], None if joined is None else joined[0])
+            else:
+                self.engine.chain.clear()
         return call.rebuild(flat)
 
     def __repr__(self) -> str:
-        return f"LayerCheckpoint(slot={self.slot}, keep_on_device={self.keep_on_device})"
+        return f"LayerCheckpoint(slot={self.slot}, keep_on_device={self.keep_on_device}, segment={self.segment})"
+
+
+def _replayed_pack(expected: torch.Tensor, segment: Segment, index: int) -> Callable[[torch.Tensor], Any]:
+    # autograd keeps the pack hook as long as the saved value: it must not hold the input it stands in for.
+    address, shape = expected.data_ptr(), expected.shape
+
+    def pack(tensor: torch.Tensor) -> Any:
+        # The node saves only the layer's input; anything else would be kept as it is.
+        if tensor.data_ptr() == address and tensor.shape == shape:
+            return ReplayedInput(segment, index, tensor)
+        return tensor
+
+    return pack
 
 
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -420,15 +455,24 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def install(model: torch.nn.Module, engine: OffloadEngine) -> int:
+def install(model: torch.nn.Module, engine: OffloadEngine, replay: bool = False) -> int:
     """Give every checkpointed decoder layer of ``model`` its :class:`LayerCheckpoint`; returns how many.
 
     Called after transformers' own enable call, which set the stock function on each layer.
+
+    Args:
+        model: The transformers model.
+        engine: Its offload engine.
+        replay: ``"sqrt"``: keep the inputs on the device, one per segment, and replay the rest (no offload).
     """
     layers = [layer for layer in _checkpointed_layers(model) if getattr(layer, "gradient_checkpointing", False)]
     last = len(layers) - 1
+    segment = segment_length(len(layers)) if replay else 0
+    engine.chain.clear()
     for slot, layer in enumerate(layers):
-        layer._gradient_checkpointing_func = LayerCheckpoint(layer, slot, engine, keep_on_device=slot == last)
+        layer._gradient_checkpointing_func = LayerCheckpoint(
+            layer, slot, engine, keep_on_device=replay or slot == last, segment=segment
+        )
     return len(layers)
 
 

@@ -47,7 +47,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: NF4 4-bit base weights")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bf16/fp16 GPU, fp32 CPU")
     parser.add_argument(
-        "--gradient-checkpointing", choices=["offload", "unsloth", "true", "false"], help="checkpointing mode"
+        "--gradient-checkpointing", choices=["offload", "unsloth", "sqrt", "true", "false"], help="checkpointing mode"
     )
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
     parser.add_argument("--save-steps", type=int, help="checkpoint every N steps")

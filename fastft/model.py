@@ -585,7 +585,8 @@ class FastModel:
             target_modules: Names of the linear layers to adapt (one name may be given as a string); ``None`` means
                 every attention and MLP projection of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed
                 qkv/o/gate_up/down).
-            use_gradient_checkpointing: ``False``, ``True`` (recompute) or ``"offload"`` (alias ``"unsloth"``).
+            use_gradient_checkpointing: ``False``, ``True`` (recompute), ``"offload"`` (alias ``"unsloth"``) or
+                ``"sqrt"`` (one layer input in every ``ceil(sqrt(layers))`` kept, the others replayed in backward).
             random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
             **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
 

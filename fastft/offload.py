@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from fastft.replay import ReplayChain
+
 # Buffers grow in whole MiB, so batches whose lengths differ a little share one buffer.
 _GRANULE = 1 << 20
 
@@ -177,6 +179,7 @@ class OffloadEngine:
         self._streams: dict[torch.device, Any] = {}
         self._last: weakref.ref | None = None
         self._last_slot = -1
+        self.chain = ReplayChain()
 
     def parks(self, tensor: torch.Tensor) -> bool:
         """Whether :meth:`park` moves ``tensor`` to host memory (CUDA tensors; CPU ones only when asked)."""
@@ -230,6 +233,7 @@ class OffloadEngine:
         self._pools.clear()
         self._streams.clear()
         self._last, self._last_slot = None, -1
+        self.chain.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         # Buffers, streams and weak references do not pickle or deep-copy; a copy starts empty.

@@ -59,13 +59,17 @@ def tiny_llama_config(tokenizer, **overrides):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A saved tiny random Llama folder that ``FastModel.from_pretrained`` loads like a real model."""
+    return save_tiny_llama(tmp_path_factory, smol_tokenizer)
+
+
+def save_tiny_llama(tmp_path_factory, tokenizer, name: str = "tiny-llama", **overrides) -> Path:
+    """A tiny random Llama (seed 0; ``overrides`` change its config) saved with ``tokenizer`` in a new folder."""
     from transformers import LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
+    folder = tmp_path_factory.mktemp(name)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(smol_tokenizer))
-    model.save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
+    LlamaForCausalLM(tiny_llama_config(tokenizer, **overrides)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

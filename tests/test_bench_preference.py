@@ -22,7 +22,7 @@ def test_preference_bench_tiny_run_writes_json(tmp_path, tiny_llama_dir):
     record = json.loads(output.read_text())
     assert record["benchmark"] == "bench/preference.py" and record["device"].startswith("cpu")
     assert {(run["method"], run["system"]) for run in record["runs"]} == {
-        (method, system) for method in ("dpo", "grpo") for system in ("stock", "stock-no-ckpt", "fastft")
+        (method, system) for method in ("dpo", "grpo") for system in ("stock", "stock-no-ckpt", "fastft", "fastft-sqrt")
     }
     for method in ("dpo", "grpo"):
         rows = {run["system"]: run for run in record["runs"] if run["method"] == method}
@@ -30,10 +30,14 @@ def test_preference_bench_tiny_run_writes_json(tmp_path, tiny_llama_dir):
         # Without checkpointing stock keeps every activation; both checkpointed systems keep about the layer inputs.
         assert rows["fastft"]["saved_bytes"] < rows["stock-no-ckpt"]["saved_bytes"] / 2
         assert rows["fastft"]["saved_bytes"] <= rows["stock"]["saved_bytes"] * 1.01
+        # The tiny model's 2 layers form one segment: the second layer's input is replayed, not kept.
+        assert rows["fastft-sqrt"]["checkpointing"] == "sqrt"
+        assert rows["fastft-sqrt"]["saved_bytes"] < rows["fastft"]["saved_bytes"]
         assert rows["stock"]["fused_logprob_calls"] == 0
     # Policy and reference (adapters as trl sets them up) both went through fastft's fused log-prob head.
-    assert record["summary"]["dpo"]["fused_logprob_calls"] == 2
-    assert record["summary"]["grpo"]["fused_logprob_calls"] >= 1
+    for system in ("fastft", "fastft-sqrt"):
+        assert record["summary"]["dpo"][system]["fused_logprob_calls"] == 2
+        assert record["summary"]["grpo"][system]["fused_logprob_calls"] >= 1
     grpo = [run for run in record["runs"] if run["method"] == "grpo"]
     # Same seed, same generations on every system (else the GRPO comparison would mean nothing).
     assert len({run["completion_ids_checksum"] for run in grpo}) == 1

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, tiny_llama_config
+from conftest import randomize_lora_b, relative_error, save_tiny_llama, tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
@@ -27,11 +27,7 @@ LAYERS = 4
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, smol_tokenizer):
     """A four-layer tiny Llama on disk (the 4-bit tests load it quantised)."""
-    folder = tmp_path_factory.mktemp("tiny-llama-4-layers")
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(smol_tokenizer, num_hidden_layers=LAYERS)).save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory, smol_tokenizer, "tiny-llama-4-layers", num_hidden_layers=LAYERS)
 
 
 def _model(folder, mode, dropout=0.0, park=False, load_in_4bit=False):

@@ -219,7 +219,8 @@ def test_train_dpo_killed_and_resumed_on_the_demo_preferences(tiny_llama_dir, tm
 @pytest.mark.parametrize(
     ("method", "extra"),
     [
-        ("kto", ["--batch-size", "2"]),
+        # Also the "sqrt" checkpointer (layer inputs replayed in backward) through the CLI.
+        ("kto", ["--batch-size", "2", "--gradient-checkpointing", "sqrt"]),
         ("grpo", ["--batch-size", "4", "--num-generations", "2", "--max-completion-length", "8"]),
     ],
 )
@@ -229,8 +230,10 @@ def test_train_kto_and_grpo_on_the_demo_preferences(tiny_llama_dir, tmp_path, me
     command = [*_train_command(tiny_llama_dir, output, steps), "--method", method, "--save-steps", "2", *extra]
     result = _run(command, tmp_path, one_thread=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    _assert_preference_run(output, method, steps)
+    metrics = _assert_preference_run(output, method, steps)
     assert (output / f"checkpoint-{steps}" / "trainer_state.json").exists()
+    expected = extra[extra.index("--gradient-checkpointing") + 1] if "--gradient-checkpointing" in extra else "offload"
+    assert metrics["options"]["gradient_checkpointing"] == expected
 
 
 @pytest.mark.slow

@@ -60,7 +60,10 @@ BASES = {
     "lora": (False, False),
     "lora-offload": ("offload", False),
     "qlora-offload": ("offload", True),
+    "lora-sqrt": ("sqrt", False),
 }
+# The trainers whose step the "sqrt" checkpointer (layer inputs replayed in backward) is checked on.
+SQRT_KINDS = ("dpo", "grpo")
 
 PROMPTS = ["The capital of France is", "Two plus two equals"]
 CHOSEN = [" Paris, a city on the Seine.", " four, as everyone knows."]
@@ -165,9 +168,12 @@ class Case:
         return self.id
 
 
-CASES = [Case(name, base, "disabled" if KINDS[name].signal else None) for name in sorted(KINDS) for base in BASES] + [
-    Case(name, "lora-offload", "ref-adapter") for name in sorted(KINDS) if KINDS[name].signal
-]
+CASES = [
+    Case(name, base, "disabled" if KINDS[name].signal else None)
+    for name in sorted(KINDS)
+    for base in BASES
+    if base != "lora-sqrt" or name in SQRT_KINDS
+] + [Case(name, "lora-offload", "ref-adapter") for name in sorted(KINDS) if KINDS[name].signal]
 
 
 def _config_fields(config_class: type) -> set[str]:
@@ -528,7 +534,7 @@ def test_every_forward_of_the_step_runs_fastfts_layers_and_checkpointer(case, st
     for forward in fast.forwards:
         assert forward.fallbacks == {}, f"{forward.adapters} forward: layers on peft's stock path: {forward.fallbacks}"
     checkpointing, _ = BASES[case.base]
-    expected = {"LayerCheckpoint"} if checkpointing == "offload" else {"off"}
+    expected = {"LayerCheckpoint"} if checkpointing in ("offload", "sqrt") else {"off"}
     policy = [f.checkpointers for f in fast.forwards if f.adapters == "default"]
     assert policy and all(found == expected for found in policy), (expected, policy)
     assert fast.checkpointers == expected, f"after the step: {fast.checkpointers}"
