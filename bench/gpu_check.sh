@@ -14,7 +14,8 @@
 #   lora   bench/lora.py: cublas / triton / auto / peft / bare GEMMs per group; OUTDIR/lora-<gpu>.json
 #   step   fastft bench, one whole LoRA training step of the Llama-3.2-1B shape per system; OUTDIR/bench-<gpu>.json
 #   pref   bench/preference.py: one DPO and one GRPO step of trl's trainers on the embedded SmolLM2-135M, fastft
-#          against stock with and without checkpointing, device memory included; OUTDIR/preference-<gpu>.json
+#          ("offload" and "sqrt") against stock with and without checkpointing, device memory included;
+#          OUTDIR/preference-<gpu>.json
 #
 # Every log and JSON goes to OUTDIR; the time each part took is printed at the end (and kept in gpu_check.log).
 # Python always runs from a scratch folder outside the checkout: from the checkout's root, kernels/ would shadow the
