@@ -242,8 +242,8 @@ def _store(
 ) -> _Stored:
     offset = scratch.tell()
     row_bytes = 0
+    fp16_fix = "export with quantization='bf16' or 'f32'" if ggml_type == gguf.GGMLQuantizationType.F16 else None
     for block in blocks:
-        fp16_fix = "export with quantization='bf16' or 'f32'" if ggml_type == gguf.GGMLQuantizationType.F16 else None
         check_block(block, name, "fastft.save_gguf", fp16_fix)
         rows = block.reshape(-1, block.shape[-1]) if block.dim() > 1 else block.reshape(1, -1)
         step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[1]))

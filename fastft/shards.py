@@ -148,8 +148,8 @@ def write_shard(path: Path, tensors: Sequence[Producer], dtype: torch.dtype, pro
             target = stored_dtype(tensor, dtype)
             expected = stored_bytes(tensor, dtype)
             done = 0
+            fp16_fix = "save with dtype=torch.bfloat16 or torch.float32" if target == torch.float16 else None
             for block in tensor.chunks(BLOCK_ELEMENTS):
-                fp16_fix = "save with dtype=torch.bfloat16 or torch.float32" if target == torch.float16 else None
                 check_block(block, tensor.name, "fastft.save_merged", fp16_fix)
                 data = block.to(target).contiguous().reshape(-1).view(torch.uint8)
                 handle.write(data.numpy().data)

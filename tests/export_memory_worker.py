@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import randomize_lora_b
+from conftest import randomize_lora_b, tiny_llama_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -44,8 +44,8 @@ def _measure(work) -> dict:
 
 
 def _config(tokenizer) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
+    return tiny_llama_config(
+        tokenizer,
         hidden_size=1024,
         intermediate_size=4096,
         num_hidden_layers=6,
@@ -53,9 +53,7 @@ def _config(tokenizer) -> LlamaConfig:
         num_key_value_heads=4,
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,  # transformers' default: these random weights need not predict anything
     )
 
 
