@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from fastft import checkpoint, distributed, patches  # noqa: F401  (patches: registers the built-in ones)
+from fastft.compile import compile_layers
 from fastft.contracts import (
     check_adapter_tensors,
     check_checkpoint,
@@ -573,6 +574,7 @@ class FastModel:
         target_modules: list[str] | tuple[str, ...] | None = None,
         use_gradient_checkpointing: bool | str = "offload",
         random_state: int = 3407,
+        compile: bool = False,
         **lora_kwargs: Any,
     ) -> PeftModel:
         """Add LoRA adapters and set up the model for training.
@@ -588,6 +590,10 @@ class FastModel:
             use_gradient_checkpointing: ``False``, ``True`` (recompute), ``"offload"`` (alias ``"unsloth"``) or
                 ``"sqrt"`` (one layer input in every ``ceil(sqrt(layers))`` kept, the others replayed in backward).
             random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
+            compile: Regional compilation (:mod:`fastft.compile`): every decoder layer runs one ``torch.compile``-d
+                forward, compiled on the first step (its time is reported by ``fastft train``) and shared by all
+                layers; fastft's kernels are custom ops inside it, checkpointing stays around it. Off by default,
+                on CUDA too, until a GPU measurement shows it faster (``bench/host.py``).
             **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
 
         Returns:
@@ -623,6 +629,11 @@ class FastModel:
                 "kernels' path) or a small value such as 0.05."
             )
         mode = checkpoint.resolve_mode(use_gradient_checkpointing)
+        if not isinstance(compile, bool):
+            raise ValueError(
+                f"fastft.get_peft_model: compile must be True (regional compilation of the decoder layers) or False, "
+                f"got {compile!r}."
+            )
         if isinstance(target_modules, str):
             # peft reads a string as a regular expression over full module names, where "q_proj" matches nothing;
             # a single layer name is what is meant here.
@@ -675,6 +686,8 @@ class FastModel:
         check_lora(peft_model)
         checkpoint.set_mode(model, mode)
         model.config.use_cache = False
+        if compile:
+            compile_layers(model)
         peft_model.train()
         return peft_model
 

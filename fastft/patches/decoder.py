@@ -26,16 +26,15 @@ import torch
 from fastft.kernels import (
     apply_rope,
     geglu,
-    lora_gate_up_mlp,
-    lora_mlp,
-    lora_o,
-    lora_packed_qkv,
-    lora_qkv,
     rms_norm,
     swiglu,
 )
+from fastft.kernels.custom_ops import compiling
+from fastft.patches.arguments import ArgumentReader
 from fastft.patches.causal_lm import head_reason
+from fastft.patches.fused_groups import fused_mlp, fused_o, fused_packed_qkv, fused_qkv
 from fastft.patches.lora_layers import group_weights
+from fastft.patches.plans import group_objects, group_stamp, planned
 from fastft.registry import PatchRecord, register
 
 # The gated MLP activations the fused path has kernels for (config name -> lora_mlp's activation).
@@ -96,26 +95,47 @@ def mlp_activation(config: Any, attr: str = "hidden_act") -> str | None:
     return ACTIVATIONS.get(getattr(config, attr, None))
 
 
+def _mlp_plan(family: Family, module: torch.nn.Module) -> tuple[Any, list[Any]]:
+    """``(run, keep)``: ``run(x)`` computes the MLP (fused, or through the projections' own forwards when the fused
+    kernel cannot serve them); ``keep`` is what the plan keeps alive."""
+    activation = mlp_activation(module.config, family.activation_attr)
+    weights = group_weights(module, family.mlp)
+    keep = group_objects(module, family.mlp)
+    if isinstance(weights, str):
+        gate_kernel = _GATES[activation]
+        if len(family.mlp) == 2:
+            gate_up_name = family.mlp[0]
+
+            def unfused(x: torch.Tensor) -> torch.Tensor:
+                gate, up = getattr(module, gate_up_name)(x).chunk(2, dim=-1)
+                return module.down_proj(gate_kernel(gate, up))
+        else:
+
+            def unfused(x: torch.Tensor) -> torch.Tensor:
+                return module.down_proj(gate_kernel(module.gate_proj(x), module.up_proj(x)))
+
+        return unfused, keep
+    return fused_mlp(weights, activation), keep
+
+
 def gated_mlp_forward(family: Family) -> Callable[..., torch.Tensor]:
     """The family's gated MLP (SwiGLU or GeGLU, by its config; gate and up separate or packed) as one fused LoRA-MLP
     node; a layer the fused kernel cannot serve runs its projections' own forwards around the gate kernel. The
-    forward takes the upstream MLP's signature (``(self, x)``, Phi-3's ``(self, hidden_states)``)."""
+    forward takes the upstream MLP's signature (``(self, x)``, Phi-3's ``(self, hidden_states)``).
+
+    What runs is decided once and kept in a :mod:`plan <fastft.patches.plans>` until a projection's stamp changes.
+    """
     signature = inspect.signature(family.upstream_class("MLP").forward)
-    packed = len(family.mlp) == 2
+    reader = ArgumentReader(signature)
+    input_name = reader.named[0]
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        _, x = signature.bind(self, *args, **kwargs).arguments.values()
-        activation = mlp_activation(self.config, family.activation_attr)
-        weights = group_weights(self, family.mlp)
-        if isinstance(weights, str):
-            if packed:
-                gate, up = getattr(self, family.mlp[0])(x).chunk(2, dim=-1)
-            else:
-                gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(_GATES[activation](gate, up))
-        if packed:
-            return lora_gate_up_mlp(x, *weights, activation=activation)
-        return lora_mlp(x, *weights, activation=activation)
+        x = args[0] if len(args) == 1 and not kwargs else reader.read(self, args, kwargs)[0][input_name]
+        if compiling():
+            # The tracer reads the modules itself and guards on what it read: no plan.
+            return _mlp_plan(family, self)[0](x)
+        stamp = (torch.is_grad_enabled(), group_stamp(self, family.mlp))
+        return planned(self, stamp, lambda: _mlp_plan(family, self))(x)
 
     forward.__signature__ = signature
     forward.__doc__ = f"``{family.prefix}MLP.forward`` as one fused LoRA-MLP node."
@@ -143,22 +163,51 @@ def qkv_widths(module: torch.nn.Module) -> tuple[int, int, int]:
     )
 
 
-def _project(
-    family: Family, module: torch.nn.Module, hidden_states: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+def _qkv_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """``run(hidden_states) -> (q, k, v)``, each ``[..., out_i]``: fused, or the projections' own forwards."""
     weights = group_weights(module, family.qkv)
     if len(family.qkv) == 1:
         widths = qkv_widths(module)
         if isinstance(weights, str):
-            projected = getattr(module, family.qkv[0])(hidden_states).split(list(widths), dim=-1)
-        else:
-            projected = lora_packed_qkv(hidden_states, *weights, widths)
-    elif isinstance(weights, str):
-        projected = tuple(getattr(module, name)(hidden_states) for name in family.qkv)
-    else:
-        projected = lora_qkv(hidden_states, *weights)
-    query, key, value = (t.view(hidden_shape) for t in projected)
+            name = family.qkv[0]
+            split = list(widths)
+            return lambda hidden_states: getattr(module, name)(hidden_states).split(split, dim=-1)
+        return fused_packed_qkv(weights, widths)
+    if isinstance(weights, str):
+        names = family.qkv
+        return lambda hidden_states: tuple(getattr(module, name)(hidden_states) for name in names)
+    return fused_qkv(weights)
+
+
+def _o_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    weights = group_weights(module, family.o)
+    if isinstance(weights, str):
+        name = family.o[0]
+        return lambda attn_output: getattr(module, name)(attn_output)
+    return fused_o(weights)
+
+
+class _AttentionPlan:
+    """What an attention module decided: how q / k / v and o run, its attention function, its extra arguments."""
+
+    __slots__ = ("attention", "extra", "o", "qkv")
+
+    def __init__(self, family: Family, module: torch.nn.Module) -> None:
+        self.qkv = _qkv_runner(family, module)
+        self.o = _o_runner(family, module)
+        self.attention = _interface(family, module)
+        self.extra = family.attention_kwargs(module)
+
+
+def _attention_plan(family: Family, module: torch.nn.Module) -> tuple[_AttentionPlan, list[Any]]:
+    return _AttentionPlan(family, module), group_objects(module, family.qkv + family.o)
+
+
+def _project(
+    family: Family, module: torch.nn.Module, run: Callable[..., Any], hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query, key, value = (t.view(hidden_shape) for t in run(hidden_states))
     if family.head_norms:
         # Over head_dim, per head, before RoPE; q_norm / k_norm are the family's RMSNorm, so its patch (the fused
         # kernel with dW) serves them too.
@@ -182,51 +231,58 @@ _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 
 
 def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any]:
-    """The fused attention forward for ``upstream_class`` (its installed signature, shown as its own)."""
+    """The fused attention forward for ``upstream_class`` (its installed signature, shown as its own).
+
+    What runs (fused or not, the attention function, the sliding window) is decided once and kept in a
+    :mod:`plan <fastft.patches.plans>` until a projection's stamp, grad mode or the attention implementation changes.
+    """
     signature = inspect.signature(upstream_class.forward)
+    reader = ArgumentReader(signature)
     takes_cache_position = "cache_position" in signature.parameters
     cache_name = next((name for name in _CACHE_NAMES if name in signature.parameters), None)
     # 4.56–4.57 still take the pre-4.56 name, and 5.24 the pre-5.24 one, through a deprecation shim; so does this.
     old_names = tuple(name for name in _CACHE_NAMES if name != cache_name)
+    groups = family.qkv + family.o
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        extra = dict(arguments.get("kwargs", {}))
-        hidden_states = arguments["hidden_states"]
-        cos, sin = arguments["position_embeddings"]
-        cache = arguments.get(cache_name) if cache_name else None
+        named, extra = reader.read(self, args, kwargs)
+        hidden_states = named["hidden_states"]
+        cos, sin = named["position_embeddings"]
+        cache = named.get(cache_name) if cache_name else None
         for name in old_names:
             shim = extra.pop(name, None)
             cache = shim if cache is None else cache
 
-        query, key, value = _project(family, self, hidden_states)
+        if compiling():
+            plan = _AttentionPlan(family, self)
+        else:
+            stamp = (torch.is_grad_enabled(), self.config._attn_implementation, group_stamp(self, groups))
+            plan = planned(self, stamp, lambda: _attention_plan(family, self))
+        query, key, value = _project(family, self, plan.qkv, hidden_states)
         query, key = _rotate(query, key, cos, sin)
         if cache is not None:
             if takes_cache_position:
                 # RoPE-aware caches take sin / cos, the static cache its positions.
-                cache_kwargs = {"sin": sin, "cos": cos, "cache_position": arguments.get("cache_position")}
+                cache_kwargs = {"sin": sin, "cos": cos, "cache_position": named.get("cache_position")}
                 key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
             elif cache_name == "cache":
                 # 5.24 hands the layer's kwargs to the cache (as upstream's forward does).
                 key, value = cache.update(key, value, self.layer_idx, kwargs=extra)
             else:
                 key, value = cache.update(key, value, self.layer_idx)
-        attn_output, attn_weights = _interface(family, self)(
+        attn_output, attn_weights = plan.attention(
             self,
             query,
             key,
             value,
-            arguments.get("attention_mask"),
+            named.get("attention_mask"),
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            **family.attention_kwargs(self),
+            **plan.extra,
             **extra,
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        weights = group_weights(self, family.o)
-        if isinstance(weights, str):
-            return self.o_proj(attn_output), attn_weights
-        return lora_o(attn_output, *weights), attn_weights
+        return plan.o(attn_output), attn_weights
 
     forward.__signature__ = signature
     forward.__doc__ = f"``{upstream_class.__name__}.forward`` with the fused LoRA-QKV, RoPE and LoRA-O kernels."
