@@ -49,6 +49,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--gradient-checkpointing", choices=["offload", "unsloth", "sqrt", "true", "false"], help="checkpointing mode"
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="regional torch.compile of the decoder layers (time reported)"
+    )
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
     parser.add_argument("--save-steps", type=int, help="checkpoint every N steps")
     parser.add_argument("--seed", type=int, help="random seed")
@@ -88,9 +91,11 @@ def _train(args: argparse.Namespace) -> int:
     moved = ""
     if watched:
         moved = f", {watched['metric']} {watched['head_mean']:.4f} -> {watched['tail_mean']:.4f} (first / last fifth)"
+    compiled = "" if metrics.get("compile_s") is None else f", {metrics['compile_s']:.1f} s of it compiling"
     print(
-        f"fastft train: {metrics['global_step']} steps, loss {metrics['first_loss']:.4f} -> "
-        f"{metrics['last_loss']:.4f}{moved}; adapter, metrics.json and loss.png in {args.output}"
+        f"fastft train: {metrics['global_step']} steps in {metrics['this_session_s']:.1f} s{compiled}, loss "
+        f"{metrics['first_loss']:.4f} -> {metrics['last_loss']:.4f}{moved}; adapter, metrics.json and loss.png in "
+        f"{args.output}"
     )
     return 0
 

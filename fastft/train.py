@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastft.compile import compile_seconds
 from fastft.data import METHODS, load_rows, prepare_rows
 from fastft.distributed import launch
 from fastft.environment import package_versions
@@ -53,6 +54,7 @@ class TrainOptions:
     load_in_4bit: bool = False
     dtype: str | None = None
     gradient_checkpointing: str = "offload"
+    compile: bool = False
     warmup_steps: int = 2
     save_steps: int = 10
     seed: int = 3407
@@ -246,6 +248,7 @@ def run(options: TrainOptions) -> dict:
         lora_dropout=options.lora_dropout,
         use_gradient_checkpointing=options.gradient_checkpointing,
         random_state=options.seed,
+        compile=options.compile,
     )
     dataset = prepare_rows(rows, options.method, tokenizer)
     stopper = StopOnSignal()
@@ -253,7 +256,7 @@ def run(options: TrainOptions) -> dict:
     # trl casts the trained weights of a 4-bit model to bf16 while building the trainer; an fp16 run (GPUs below
     # compute capability 8.0) keeps them in fp32 for its gradient scaler. The optimizer is only built in train().
     keep_trainable_fp32(model)
-    started = time.perf_counter()
+    started, compiling_before = time.perf_counter(), compile_seconds()
     result = trainer.train(resume_from_checkpoint=resume_from)
     completed = stopper.received is None
     history = loss_history(trainer.state)
@@ -271,6 +274,8 @@ def run(options: TrainOptions) -> dict:
         "watched": _watched(options.method, history),
         "train_runtime_s": result.metrics.get("train_runtime"),
         "this_session_s": time.perf_counter() - started,
+        # Regional compilation compiles on the first step (and again for a new sequence length): part of the run time.
+        "compile_s": compile_seconds() - compiling_before if options.compile else None,
         "resumed_from": Path(resume_from).name if resume_from else None,
         "options": asdict(options),
         "dtype": str(dtype).removeprefix("torch."),

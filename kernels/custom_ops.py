@@ -48,8 +48,17 @@ from torch.autograd.function import once_differentiable
 
 NAMESPACE = "fastft"
 
-# torch.compiler.is_compiling is True while dynamo traces a frame and while AOTAutograd traces a registered backward.
-compiling: Callable[[], bool] = torch.compiler.is_compiling
+_MODES = torch._C._TorchDispatchModeKey
+_active_mode = torch._C._get_dispatch_mode
+
+
+def compiling() -> bool:
+    """Whether the caller is being traced rather than run: by ``torch.compile`` (dynamo, and AOTAutograd tracing a
+    registered backward), or by AOTAutograd / ``make_fx`` called directly (``torch.library.opcheck``, export), which
+    run under a fake or proxy dispatch mode. About 0.2 µs in eager."""
+    return (
+        torch.compiler.is_compiling() or _active_mode(_MODES.FAKE) is not None or _active_mode(_MODES.PROXY) is not None
+    )
 
 
 def define(

@@ -176,11 +176,14 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     names = (active,) if isinstance(active, str) else tuple(active or ())
     lora_a, lora_b, dropout = modules["lora_A"]._modules, modules["lora_B"]._modules, modules.get("lora_dropout")
     scaling = state.get("scaling", {})
+    # Of A and B, projection_weights reads only their type and weight: the module and parameter objects say both.
     adapters = tuple(
         (
             name,
-            _linear_stamp(lora_a[name]),
-            _linear_stamp(lora_b[name]) if name in lora_b else None,
+            id(lora_a[name]),
+            id(lora_a[name]._parameters.get("weight")),
+            id(lora_b.get(name)),
+            id(lora_b[name]._parameters.get("weight")) if name in lora_b else None,
             scaling.get(name),
             dropout._modules[name].training if dropout is not None and name in dropout._modules else None,
         )
