@@ -257,8 +257,8 @@ def _reference_backward(
     x: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
-    need_dx: bool,
-    need_dw: bool,
+    needs_dx: bool,
+    needs_dw: bool,
     offset: float = 0.0,
     cast_before_weight: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -266,7 +266,7 @@ def _reference_backward(
     x_hat = x.to(torch.float32) * rstd
     dy32 = dy.to(torch.float32)
     dx = dw = None
-    if need_dx:
+    if needs_dx:
         scale = weight.to(torch.float32)
         if offset != 0.0:
             scale = scale + offset
@@ -274,7 +274,7 @@ def _reference_backward(
         dot = (dn * x_hat).mean(-1, keepdim=True)
         # dn - x_hat * dot in one op (the product of -1 and x_hat * dot is exact).
         dx = (torch.addcmul(dn, x_hat, dot, value=-1.0) * rstd).to(x.dtype).contiguous()
-    if need_dw:
+    if needs_dw:
         # d(offset + w)/dw = 1: the same dW as without the offset.
         multiplied = x_hat.to(x.dtype).to(torch.float32) if cast_before_weight else x_hat
         product = dy32 * multiplied
@@ -357,22 +357,22 @@ def _backward(
     rstd: torch.Tensor,
     offset: float,
     cast_before_weight: bool,
-    need_dx: bool,
-    need_dw: bool,
+    needs_dx: bool,
+    needs_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dX, dW), None where not needed, from the saved input, weight and rstd."""
     if not _takes_triton(x) or x.numel() == 0:
-        return _reference_backward(dy, x, weight, rstd, need_dx, need_dw, offset, cast_before_weight)
+        return _reference_backward(dy, x, weight, rstd, needs_dx, needs_dw, offset, cast_before_weight)
     hidden = x.shape[-1]
     rows = rstd.numel()
     block = triton.next_power_of_2(hidden)
-    programs = _dw_programs(rows, x.device) if need_dw else rows
+    programs = _dw_programs(rows, x.device) if needs_dw else rows
     rows_per_program = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, rows_per_program)
     x2, x_row_stride, x_col_stride = _rows(x, hidden)
     dy2, dy_row_stride, dy_col_stride = _rows(dy, hidden)
-    dx = dispatch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
-    dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if need_dw else None
+    dx = dispatch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
+    dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if needs_dw else None
     # An unused pointer argument still needs a tensor; rstd stands in, and the constexpr flag keeps it untouched.
     _rms_norm_bwd_kernel[(programs,)](
         dy2,
@@ -384,19 +384,19 @@ def _backward(
         weight,
         weight.stride(0),
         rstd,
-        dx if need_dx else rstd,
-        dw_partial if need_dw else rstd,
+        dx if needs_dx else rstd,
+        dw_partial if needs_dw else rstd,
         rows,
         hidden,
         rows_per_program,
         BLOCK=block,
-        COMPUTE_DX=need_dx,
-        COMPUTE_DW=need_dw,
+        COMPUTE_DX=needs_dx,
+        COMPUTE_DW=needs_dw,
         WEIGHT_OFFSET=offset,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         num_warps=_num_warps(block, backward=True),
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+    dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
     return dx, dw
 
 
@@ -414,10 +414,10 @@ def _backward_op(
     rstd: torch.Tensor,
     offset: float,
     cast_before_weight: bool,
-    need_dx: bool,
-    need_dw: bool,
+    needs_dx: bool,
+    needs_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _backward(dy, x, weight, rstd, offset, cast_before_weight, need_dx, need_dw)
+    dx, dw = _backward(dy, x, weight, rstd, offset, cast_before_weight, needs_dx, needs_dw)
     # An op has no optional outputs: a gradient nobody asked for is an empty placeholder that autograd never sees.
     return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
 
@@ -429,10 +429,10 @@ def _backward_fake(
     rstd: torch.Tensor,
     offset: float,
     cast_before_weight: bool,
-    need_dx: bool,
-    need_dw: bool,
+    needs_dx: bool,
+    needs_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape if need_dx else 0), weight.new_empty(weight.shape if need_dw else 0)
+    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
 
 
 rms_norm_op = define("rms_norm", _forward, fake=_forward_fake)
@@ -454,12 +454,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 def _grad(ctx: Any, dy: torch.Tensor, _drstd: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     x, weight, rstd = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_dx or need_dw):
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (needs_dx or needs_dw):
         return None, None, None, None, None
     backward = pick(rms_norm_backward_op, _backward)
-    dx, dw = backward(dy, x, weight, rstd, ctx.offset, ctx.cast_before_weight, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+    dx, dw = backward(dy, x, weight, rstd, ctx.offset, ctx.cast_before_weight, needs_dx, needs_dw)
+    return (dx if needs_dx else None), (dw if needs_dw else None), None, None, None
 
 
 register_autograd(rms_norm_op, _setup_context, _grad)
