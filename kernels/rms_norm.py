@@ -223,8 +223,8 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, offset: float, cast_before_weig
         # Traced once per graph, and symbolic sizes cannot key a dict.
         return _make_plan(x, weight, offset, cast_before_weight)
     # The variant's types are part of the key: True == 1 and 0 == 0.0, but only a bool / real passes the check.
-    key = (x.shape, weight.shape, x.dtype, weight.dtype, type(offset), offset, type(cast_before_weight))
-    key += (cast_before_weight,)
+    variant = (type(offset), offset, type(cast_before_weight), cast_before_weight)
+    key = (x.shape, weight.shape, x.dtype, weight.dtype, variant)
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable offset; the variant check names it
