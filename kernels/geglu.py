@@ -27,20 +27,22 @@ the two input gradients over the saved buffers, with exactly the buffer rules of
   instead of reading gradients as activations.
 
 The torch reference path follows the same buffer rules, so what happens to the caller's tensors does not depend on
-the device.
+the device. Under ``torch.compile`` :func:`geglu` is the custom op ``fastft::geglu`` (backward
+``fastft::geglu_backward``, which allocates); eager calls take :class:`GeGLUFunction`. Both are built from this
+file's kernels by :func:`fastft.kernels.swiglu.register_gate`, the machinery SwiGLU uses too.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
+from fastft.kernels.custom_ops import compiling
 from fastft.kernels.dispatch import tl, triton
 
-# The same input checks and buffer rules as SwiGLU: one implementation of them.
-from fastft.kernels.swiglu import _check_inputs, _contiguous_buffer, save_for_in_place_backward
+# The same input checks, buffer rules, ops and Function as SwiGLU: one implementation of them.
+from fastft.kernels.swiglu import GatedActivation, _check_inputs, gate_forward, gate_gradients, register_gate
 
 # Elementwise work: one block of this many elements per program (as SwiGLU).
 _BLOCK = 1024
@@ -162,78 +164,46 @@ def _launch_backward(
     )
 
 
-def _reference_gradients(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, needs_gate: bool, needs_up: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fp32 (d_gate, d_up), both computed before the caller writes either buffer (in fp32, g and u ARE the buffers)."""
-    g, u, d = gate.float(), up.float(), dh.float()
+def _gelu_tanh_backward(grad: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     # aten's fused gelu_backward is the d_gate formula in one pass, as stock autograd computes it.
-    dg = torch.ops.aten.gelu_backward(d * u, g, approximate="tanh") if needs_gate else None
-    du = d * _gelu_tanh(g) if needs_up else None
-    return dg, du
+    if out is None:
+        return torch.ops.aten.gelu_backward.default(grad, gate, approximate="tanh")
+    return torch.ops.aten.gelu_backward.grad_input(grad, gate, approximate="tanh", grad_input=out)
 
 
-class GeGLUFunction(torch.autograd.Function):
+GEGLU = GatedActivation("geglu", _gelu_tanh, _gelu_tanh_backward, _launch_forward, _launch_backward)
+_GEGLU_OPS = register_gate(
+    GEGLU,
+    "GeGLUFunction",
+    __name__,
     """``gelu_tanh(gate) * up`` whose backward writes the input gradients over the saved ``gate`` / ``up`` buffers.
 
     See the module docstring for which buffers are written in place and which get fresh ones. Once backward has
-    run, an intermediate ``gate`` / ``up`` passed in holds its own gradient, not its activation.
-    """
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        _check_inputs("geglu", gate, up)
-        gate_buffer, gate_private = _contiguous_buffer(gate)
-        up_buffer, up_private = _contiguous_buffer(up)
-
-        if dispatch.use_triton(gate_buffer):
-            out = _launch_forward(gate_buffer, up_buffer)
-        else:
-            out = (_gelu_tanh(gate_buffer.float()) * up_buffer.float()).to(gate.dtype)
-
-        save_for_in_place_backward(ctx, gate, up, (gate_buffer, gate_private), (up_buffer, up_private))
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        gate, up = ctx.saved_tensors
-        needs_gate, needs_up = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (needs_gate or needs_up):
-            return None, None
-        dh = dh.contiguous()
-
-        if dispatch.use_triton(dh):
-            dgate = (gate if ctx.gate_in_place else dispatch.empty_like(gate)) if needs_gate else None
-            dup = (up if ctx.up_in_place else dispatch.empty_like(up)) if needs_up else None
-            _launch_backward(dh, gate, up, dgate, dup)
-        else:
-            dg, du = _reference_gradients(dh, gate, up, needs_gate, needs_up)
-            dgate = gate.copy_(dg) if ctx.gate_in_place else (dg.to(gate.dtype) if needs_gate else None)
-            dup = up.copy_(du) if ctx.up_in_place else (du.to(up.dtype) if needs_up else None)
-
-        written = [t for t, flag in ((gate, ctx.gate_in_place), (up, ctx.up_in_place)) if flag]
-        dispatch.mark_overwritten(*written)
-        return dgate, dup
+    run, an intermediate ``gate`` / ``up`` passed in holds its own gradient, not its activation. The eager entry to
+    the op ``fastft::geglu``: ``GeGLUFunction.apply(gate, up) -> h``.
+    """,
+)
+GeGLUFunction = _GEGLU_OPS.function
+geglu_op = _GEGLU_OPS.op
+geglu_backward_op = _GEGLU_OPS.backward_op
 
 
 def geglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` of two contiguous same-shape buffers, no autograd (for Functions that own the
     buffers)."""
-    if dispatch.use_triton(gate):
-        return _launch_forward(gate, up)
-    return (_gelu_tanh(gate.float()) * up.float()).to(gate.dtype)
+    return gate_forward(GEGLU, gate, up)
 
 
 def geglu_backward_(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``d gate`` over ``gate`` and ``d up`` over ``up`` (contiguous, non-overlapping buffers the caller owns)
     and return them; no autograd."""
-    dh = dh.contiguous()
-    if dispatch.use_triton(dh):
-        _launch_backward(dh, gate, up, gate, up)
-        return gate, up
-    dg, du = _reference_gradients(dh, gate, up, True, True)
-    return gate.copy_(dg), up.copy_(du)
+    return gate_gradients(GEGLU, dh, gate, up, True, True, True, True)
+
+
+def geglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d gate, d up)`` in new tensors, ``gate`` and ``up`` untouched; no autograd (the out-of-place
+    :func:`geglu_backward_`, for a caller that is being compiled and so may not write its inputs)."""
+    return gate_gradients(GEGLU, dh, gate, up, True, True, False, False)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -243,7 +213,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     the saved ``gate`` and ``up`` with their gradients when they are autograd intermediates (the outputs of
     gate_proj / up_proj), so do not read them after backward, and do not save them in another op that runs its
     backward later: that op raises "modified by an inplace operation". Leaves, inputs that need no gradient, and
-    non-contiguous inputs (copied privately at forward) are left untouched.
+    non-contiguous inputs (copied privately at forward) are left untouched. Under ``torch.compile`` it is the custom
+    op ``fastft::geglu``, whose backward allocates and writes nothing in place.
 
     Args:
         gate: ``gate_proj(x)``, any shape, fp32 / fp16 / bf16.
@@ -256,7 +227,10 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ShapeContractError: ``gate`` and ``up`` have different shapes.
         TypeError: ``gate`` and ``up`` have different dtypes.
     """
+    if compiling():
+        _check_inputs("geglu", gate, up)  # at trace time: a bad call fails while compiling
+        return geglu_op(gate, up)
     return GeGLUFunction.apply(gate, up)
 
 
-__all__ = ["GeGLUFunction", "geglu", "geglu_backward_", "geglu_forward", "geglu_reference"]
+__all__ = ["GeGLUFunction", "geglu", "geglu_backward", "geglu_backward_", "geglu_forward", "geglu_reference"]

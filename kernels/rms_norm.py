@@ -15,19 +15,27 @@ Two keywords give the other variants transformers has:
 So ``rms_norm(x, w, eps)`` is Llama's norm and ``rms_norm(x, w, eps, offset=1.0, cast_before_weight=False)`` is
 Gemma's. dW is the same for ``offset + w`` as for ``w``.
 
-Backward saves ``x``, ``weight`` and the per-row ``rstd`` (fp32, one value per row), never the output. dW is
-accumulated in fp32: each Triton program sums its share of rows into one row of a ``[programs, hidden]`` buffer,
-which is reduced by one ``sum`` afterwards (no atomics, so the result does not depend on scheduling).
+Backward saves ``x``, ``weight`` and the per-row ``rstd`` (fp32, one value per row, shaped ``[..., 1]`` so that it
+broadcasts over ``x``), never the output. dW is accumulated in fp32: each Triton program sums its share of rows into
+one row of a ``[programs, hidden]`` buffer, which is reduced by one ``sum`` afterwards (no atomics, so the result does
+not depend on scheduling).
+
+The kernel is registered as the custom ops ``fastft::rms_norm`` (returns the output and rstd) and
+``fastft::rms_norm_backward`` (see :mod:`fastft.kernels.custom_ops`): :func:`rms_norm` calls the op while
+``torch.compile`` traces and :class:`RMSNormFunction` otherwise; both run the same forward and backward code.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
+from fastft.kernels.custom_ops import compiling, define, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -168,41 +176,110 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def _rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    # reshape keeps a strided view whenever one exists (slices, most permutes); the kernels take both strides,
-    # so only a layout no 2-D view can describe is copied.
-    return t.reshape(-1, hidden)
+def _check_variant(offset: float, cast_before_weight: bool) -> None:
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or not math.isfinite(offset):
+        raise ValueError(
+            f"rms_norm: offset must be a finite number, got {offset!r}; pass 0.0 for Llama-style norms or 1.0 for "
+            "Gemma-style ones, whose weight is stored as (scale - 1)."
+        )
+    if not isinstance(cast_before_weight, bool):
+        raise ValueError(
+            f"rms_norm: cast_before_weight must be True or False, got {cast_before_weight!r}; True for Llama's "
+            "rounding (normalised row cast to x.dtype, then scaled), False for Gemma's (scaled in fp32, cast once)."
+        )
 
 
-def _reference_rstd(x2: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.rsqrt(x2.to(torch.float32).pow(2).mean(-1) + eps)
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor, cast_before_weight: bool) -> torch.dtype:
+    return torch.promote_types(weight.dtype, x.dtype) if cast_before_weight else x.dtype
+
+
+def _rstd_shape(x: torch.Tensor) -> tuple[int, ...]:
+    # One value per row, shaped to broadcast over x: the reference multiplies by it without a view.
+    return (*x.shape[:-1], 1)
+
+
+class _Plan(NamedTuple):
+    """What a call's shapes, dtypes and variant decide, worked out once per signature."""
+
+    out_dtype: torch.dtype
+    rstd_shape: tuple[int, ...]
+
+
+# Signature -> plan: the checks run, and torch.promote_types (an aten op) is called, once per distinct signature.
+# Bounded, because a run whose sequence length changes every step would otherwise grow it without end.
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _make_plan(x: torch.Tensor, weight: torch.Tensor, offset: float, cast_before_weight: bool) -> _Plan:
+    _check_shapes(x, weight)
+    _check_variant(offset, cast_before_weight)
+    return _Plan(_output_dtype(x, weight, cast_before_weight), _rstd_shape(x))
+
+
+def _plan(x: torch.Tensor, weight: torch.Tensor, offset: float, cast_before_weight: bool) -> _Plan:
+    """The checked plan for these inputs; raises ShapeContractError / ValueError as :func:`rms_norm` documents."""
+    if compiling():
+        # Traced once per graph, and symbolic sizes cannot key a dict.
+        return _make_plan(x, weight, offset, cast_before_weight)
+    # The variant's types are part of the key: True == 1 and 0 == 0.0, but only a bool / real passes the check.
+    variant = (type(offset), offset, type(cast_before_weight), cast_before_weight)
+    key = (x.shape, weight.shape, x.dtype, weight.dtype, variant)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable offset; the variant check names it
+        return _make_plan(x, weight, offset, cast_before_weight)
+    if plan is None:
+        plan = _make_plan(x, weight, offset, cast_before_weight)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _rows(t: torch.Tensor, hidden: int) -> tuple[torch.Tensor, int, int]:
+    """``t`` as rows of ``hidden`` for the kernels: the tensor to pass and its row and column strides."""
+    if t.is_contiguous():
+        # Already [rows, hidden] in memory: no view op on the hot path.
+        return t, hidden, 1
+    # reshape keeps a strided view whenever one exists (slices, most permutes, expanded gradients); the kernels take
+    # both strides, so only a layout no 2-D view can describe is copied.
+    rows = t.reshape(-1, hidden)
+    return rows, rows.stride(0), rows.stride(1)
+
+
+def _reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _reference_backward(
-    dy2: torch.Tensor,
-    x2: torch.Tensor,
+    dy: torch.Tensor,
+    x: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
-    need_dx: bool,
-    need_dw: bool,
+    needs_dx: bool,
+    needs_dw: bool,
     offset: float = 0.0,
     cast_before_weight: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The kernel's backward math in torch, on ``[rows, hidden]`` views; everything in fp32."""
-    x_hat = x2.to(torch.float32) * rstd[:, None]
-    dy = dy2.to(torch.float32)
+    """The kernel's backward math in torch, in fp32, on ``x``'s own shape (``rstd`` broadcasts as ``[..., 1]``)."""
+    x_hat = x.to(torch.float32) * rstd
+    dy32 = dy.to(torch.float32)
     dx = dw = None
-    if need_dx:
+    if needs_dx:
         scale = weight.to(torch.float32)
         if offset != 0.0:
             scale = scale + offset
-        dn = dy * scale
+        dn = dy32 * scale
         dot = (dn * x_hat).mean(-1, keepdim=True)
-        dx = (rstd[:, None] * (dn - x_hat * dot)).to(x2.dtype)
-    if need_dw:
+        # dn - x_hat * dot in one op (the product of -1 and x_hat * dot is exact).
+        dx = (torch.addcmul(dn, x_hat, dot, value=-1.0) * rstd).to(x.dtype).contiguous()
+    if needs_dw:
         # d(offset + w)/dw = 1: the same dW as without the offset.
-        multiplied = x_hat.to(x2.dtype).to(torch.float32) if cast_before_weight else x_hat
-        dw = (dy * multiplied).sum(0).to(weight.dtype)
+        multiplied = x_hat.to(x.dtype).to(torch.float32) if cast_before_weight else x_hat
+        product = dy32 * multiplied
+        # sum over an empty dim list would reduce every dim: a single row is already dW.
+        dw = (product.sum(tuple(range(x.dim() - 1))) if x.dim() > 1 else product).to(weight.dtype)
     return dx, dw
 
 
@@ -228,129 +305,193 @@ def _takes_triton(x: torch.Tensor) -> bool:
     return dispatch.use_triton(x) and x.shape[-1] <= MAX_FUSED_HIDDEN
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """Autograd Function for RMSNorm: Triton kernels where :func:`dispatch.use_triton`, else torch math.
+def _forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalised tensor (contiguous, ``x``'s shape) and rstd (fp32 ``[..., 1]``); the op's implementation."""
+    plan = _plan(x, weight, offset, cast_before_weight)
+    offset = float(offset)
+    if _takes_triton(x):
+        hidden = x.shape[-1]
+        y = dispatch.empty(x.shape, dtype=plan.out_dtype, device=x.device)
+        rstd = dispatch.empty(plan.rstd_shape, dtype=torch.float32, device=x.device)
+        if y.numel() > 0:
+            rows, row_stride, col_stride = _rows(x, hidden)
+            block = triton.next_power_of_2(hidden)
+            _rms_norm_fwd_kernel[(rstd.numel(),)](
+                rows,
+                row_stride,
+                col_stride,
+                weight,
+                weight.stride(0),
+                y,
+                rstd,
+                hidden,
+                float(eps),
+                BLOCK=block,
+                WEIGHT_OFFSET=offset,
+                CAST_BEFORE_WEIGHT=cast_before_weight,
+                num_warps=_num_warps(block),
+            )
+        elif rstd.numel() > 0:  # hidden == 0: nothing to normalise; fill rstd the way the reference would.
+            rstd = _reference_rstd(x, eps)
+        return y, rstd
+    # LlamaRMSNorm's (or Gemma3RMSNorm's) ops on x's own shape, so still bit-identical to it, keeping rstd for
+    # backward instead of computing the mean of squares a second time. contiguous() copies only a non-contiguous x.
+    hidden = x.to(torch.float32)
+    rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    normed = hidden * rstd
+    if not cast_before_weight:
+        y = (normed * (offset + weight.float())).to(x.dtype)
+    elif offset != 0.0:
+        y = ((offset + weight.float()) * normed.to(x.dtype)).to(plan.out_dtype)
+    else:
+        y = weight * normed.to(x.dtype)
+    return y.contiguous(), rstd.contiguous()
 
-    ``forward(ctx, x, weight, eps, offset=0.0, cast_before_weight=True)`` (the meanings of :func:`rms_norm`)
-    returns the normalised tensor; ``backward`` returns ``(dx, dw, None, None, None)``, skipping the dW work when
-    ``weight`` does not require grad (and dX when ``x`` does not).
+
+def _backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    cast_before_weight: bool,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dW), None where not needed, from the saved input, weight and rstd."""
+    if not _takes_triton(x) or x.numel() == 0:
+        return _reference_backward(dy, x, weight, rstd, needs_dx, needs_dw, offset, cast_before_weight)
+    hidden = x.shape[-1]
+    rows = rstd.numel()
+    block = triton.next_power_of_2(hidden)
+    programs = _dw_programs(rows, x.device) if needs_dw else rows
+    rows_per_program = triton.cdiv(rows, programs)
+    programs = triton.cdiv(rows, rows_per_program)
+    x2, x_row_stride, x_col_stride = _rows(x, hidden)
+    dy2, dy_row_stride, dy_col_stride = _rows(dy, hidden)
+    dx = dispatch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
+    dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if needs_dw else None
+    # An unused pointer argument still needs a tensor; rstd stands in, and the constexpr flag keeps it untouched.
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2,
+        dy_row_stride,
+        dy_col_stride,
+        x2,
+        x_row_stride,
+        x_col_stride,
+        weight,
+        weight.stride(0),
+        rstd,
+        dx if needs_dx else rstd,
+        dw_partial if needs_dw else rstd,
+        rows,
+        hidden,
+        rows_per_program,
+        BLOCK=block,
+        COMPUTE_DX=needs_dx,
+        COMPUTE_DW=needs_dw,
+        WEIGHT_OFFSET=offset,
+        CAST_BEFORE_WEIGHT=cast_before_weight,
+        num_warps=_num_warps(block, backward=True),
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
+    return dx, dw
+
+
+def _forward_fake(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = x.new_empty(x.shape, dtype=_output_dtype(x, weight, cast_before_weight))
+    return out, x.new_empty(_rstd_shape(x), dtype=torch.float32)
+
+
+def _backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    cast_before_weight: bool,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _backward(dy, x, weight, rstd, offset, cast_before_weight, needs_dx, needs_dw)
+    # An op has no optional outputs: a gradient nobody asked for is an empty placeholder that autograd never sees.
+    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
+
+
+def _backward_fake(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    cast_before_weight: bool,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
+
+
+rms_norm_op = define("rms_norm", _forward, fake=_forward_fake)
+rms_norm_backward_op = define("rms_norm_backward", _backward_op, fake=_backward_fake)
+
+
+def _save(ctx: Any, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, cast: bool) -> None:
+    # Only the input, the weight and one fp32 per row: the output is never kept.
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset = float(offset)
+    ctx.cast_before_weight = cast
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, _eps, offset, cast_before_weight = inputs
+    _save(ctx, x, weight, output[1], offset, cast_before_weight)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _grad(ctx: Any, dy: torch.Tensor, _drstd: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    x, weight, rstd = ctx.saved_tensors
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (needs_dx or needs_dw):
+        return None, None, None, None, None
+    backward = pick(rms_norm_backward_op, _backward)
+    dx, dw = backward(dy, x, weight, rstd, ctx.offset, ctx.cast_before_weight, needs_dx, needs_dw)
+    return (dx if needs_dx else None), (dw if needs_dw else None), None, None, None
+
+
+register_autograd(rms_norm_op, _setup_context, _grad)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm's eager autograd node: Triton kernels where :func:`dispatch.use_triton`, else torch math.
+
+    ``RMSNormFunction.apply(x, weight, eps, offset=0.0, cast_before_weight=True)`` (the meanings of
+    :func:`rms_norm`) returns the normalised tensor; backward returns ``(dx, dw, None, None, None)``, skipping the
+    dW work when ``weight`` does not require grad (and dX when ``x`` does not). It runs the forward and backward
+    of the op ``fastft::rms_norm`` without the dispatcher (rstd is saved, not returned, so it keeps the classic
+    ``forward(ctx, ...)`` form). Once differentiable: a double backward raises.
     """
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         eps: float,
         offset: float = 0.0,
         cast_before_weight: bool = True,
     ) -> torch.Tensor:
-        _check_shapes(x, weight)
-        _check_variant(offset, cast_before_weight)
-        offset = float(offset)
-        hidden = x.shape[-1]
-        x2 = _rows_view(x, hidden)
-        rows = x2.shape[0]
-        out_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_before_weight else x.dtype
-        if _takes_triton(x):
-            y = dispatch.empty((rows, hidden), dtype=out_dtype, device=x.device)
-            rstd = dispatch.empty((rows,), dtype=torch.float32, device=x.device)
-            if y.numel() > 0:
-                block = triton.next_power_of_2(hidden)
-                _rms_norm_fwd_kernel[(rows,)](
-                    x2,
-                    x2.stride(0),
-                    x2.stride(1),
-                    weight,
-                    weight.stride(0),
-                    y,
-                    rstd,
-                    hidden,
-                    float(eps),
-                    BLOCK=block,
-                    WEIGHT_OFFSET=offset,
-                    CAST_BEFORE_WEIGHT=cast_before_weight,
-                    num_warps=_num_warps(block),
-                )
-            elif rows > 0:  # hidden == 0: nothing to normalise; fill rstd the way the reference would.
-                rstd = _reference_rstd(x2, eps)
-        else:
-            # contiguous(): a transposed x would otherwise give a transposed result that cannot be viewed back.
-            # The same ops as rms_norm_reference (so still bit-identical to LlamaRMSNorm), keeping rstd for backward
-            # instead of computing the mean of squares a second time.
-            rstd = _reference_rstd(x2, eps)
-            normed = x2.to(torch.float32) * rstd.unsqueeze(-1)
-            if not cast_before_weight:
-                # Gemma3RMSNorm's ops: (x̂ * (offset + w.float())).type_as(x).
-                y = (normed * (offset + weight.float())).to(x.dtype).contiguous()
-            elif offset != 0.0:
-                y = ((offset + weight.float()) * normed.to(x.dtype)).to(out_dtype).contiguous()
-            else:
-                y = (weight * normed.to(x.dtype)).contiguous()
-        # Only the input, the weight and one fp32 per row: the output is never kept.
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
-        ctx.cast_before_weight = cast_before_weight
-        return y.view(x.shape)
+        y, rstd = _forward(x, weight, eps, offset, cast_before_weight)
+        _save(ctx, x, weight, rstd, offset, cast_before_weight)
+        return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        x, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dx or need_dw):
-            return None, None, None, None, None
-        hidden = x.shape[-1]
-        x2 = _rows_view(x, hidden)
-        dy2 = _rows_view(dy, hidden)
-        rows = x2.shape[0]
-        if not _takes_triton(x) or x2.numel() == 0:
-            dx, dw = _reference_backward(dy2, x2, weight, rstd, need_dx, need_dw, ctx.offset, ctx.cast_before_weight)
-            return (dx.view(x.shape) if need_dx else None), dw, None, None, None
-
-        block = triton.next_power_of_2(hidden)
-        programs = _dw_programs(rows, x.device) if need_dw else rows
-        rows_per_program = triton.cdiv(rows, programs)
-        programs = triton.cdiv(rows, rows_per_program)
-        dx = dispatch.empty((rows, hidden), dtype=x.dtype, device=x.device) if need_dx else None
-        dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if need_dw else None
-        # An unused pointer argument still needs a tensor; rstd stands in, and the constexpr flag keeps it untouched.
-        _rms_norm_bwd_kernel[(programs,)](
-            dy2,
-            dy2.stride(0),
-            dy2.stride(1),
-            x2,
-            x2.stride(0),
-            x2.stride(1),
-            weight,
-            weight.stride(0),
-            rstd,
-            dx if need_dx else rstd,
-            dw_partial if need_dw else rstd,
-            rows,
-            hidden,
-            rows_per_program,
-            BLOCK=block,
-            COMPUTE_DX=need_dx,
-            COMPUTE_DW=need_dw,
-            WEIGHT_OFFSET=ctx.offset,
-            CAST_BEFORE_WEIGHT=ctx.cast_before_weight,
-            num_warps=_num_warps(block, backward=True),
-        )
-        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
-        return (dx.view(x.shape) if need_dx else None), dw, None, None, None
-
-
-def _check_variant(offset: float, cast_before_weight: bool) -> None:
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or not math.isfinite(offset):
-        raise ValueError(
-            f"rms_norm: offset must be a finite number, got {offset!r}; pass 0.0 for Llama-style norms or 1.0 for "
-            "Gemma-style ones, whose weight is stored as (scale - 1)."
-        )
-    if not isinstance(cast_before_weight, bool):
-        raise ValueError(
-            f"rms_norm: cast_before_weight must be True or False, got {cast_before_weight!r}; True for Llama's "
-            "rounding (normalised row cast to x.dtype, then scaled), False for Gemma's (scaled in fp32, cast once)."
-        )
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _grad(ctx, dy)
 
 
 def rms_norm(
@@ -363,6 +504,9 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm with a fused backward that also gives dW: Llama's by default, Gemma's with
     ``offset=1.0, cast_before_weight=False``.
+
+    Under ``torch.compile`` this is the custom op ``fastft::rms_norm`` (one graph node, no graph break); in eager
+    it is :class:`RMSNormFunction`, the same code without the dispatcher's cost.
 
     Args:
         x: Input ``[..., hidden]``, any layout, any number of rows (including one).
@@ -382,6 +526,11 @@ def rms_norm(
         ShapeContractError: ``weight`` is not 1-D of size ``x.shape[-1]``.
         ValueError: ``offset`` is not a finite number, or ``cast_before_weight`` is not a bool.
     """
+    if compiling():
+        # Checked here, at trace time, so a bad call fails while compiling rather than inside the graph.
+        _check_shapes(x, weight)
+        _check_variant(offset, cast_before_weight)
+        return rms_norm_op(x, weight, float(eps), float(offset), cast_before_weight)[0]
     return RMSNormFunction.apply(x, weight, eps, offset, cast_before_weight)
 
 

@@ -20,13 +20,22 @@ transposed views of [batch, seq, heads, head_dim]; every stride is passed to the
 sin are either gathered per token, [batch or 1, seq, head_dim] (what ``LlamaRotaryEmbedding`` returns), or, with
 ``position_ids`` [batch or 1, seq], whole tables [max_positions, head_dim] that the kernel indexes per token, so
 packed rows whose positions restart mid-row need no gathered copy.
+
+The kernel is registered as the custom ops ``fastft::rope`` and ``fastft::rope_backward`` (see
+:mod:`fastft.kernels.custom_ops`): :func:`apply_rope` calls the op while ``torch.compile`` traces and
+:class:`RoPEFunction` otherwise, both running the same forward and backward code.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
+from fastft.kernels.custom_ops import compiling, define, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -35,27 +44,11 @@ _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,
-    y_ptr,
-    b,
-    s,
-    n_heads,
-    half,
-    x_sb,
-    x_sh,
-    x_ss,
-    x_sd,
-    y_sb,
-    y_sh,
-    y_ss,
-    y_sd,
-    c1,
-    c2,
-    t1,
-    t2,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    x_ptr, y_ptr, b, s, n_heads, half,
+    x_sb, x_sh, x_ss, x_sd, y_sb, y_sh, y_ss, y_sd,
+    c1, c2, t1, t2,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = d < half
     x_base = x_ptr + b * x_sb + s * x_ss
@@ -77,46 +70,13 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    seq_len,
-    n_q_heads,
-    n_k_heads,
-    half,
-    q_sb,
-    q_sh,
-    q_ss,
-    q_sd,
-    k_sb,
-    k_sh,
-    k_ss,
-    k_sd,
-    qo_sb,
-    qo_sh,
-    qo_ss,
-    qo_sd,
-    ko_sb,
-    ko_sh,
-    ko_ss,
-    ko_sd,
-    cos_sb,
-    cos_ss,
-    cos_sd,
-    sin_sb,
-    sin_ss,
-    sin_sd,
-    pos_sb,
-    pos_ss,
-    HAS_POS: tl.constexpr,
-    BACKWARD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
+    seq_len, n_q_heads, n_k_heads, half,
+    q_sb, q_sh, q_ss, q_sd, k_sb, k_sh, k_ss, k_sd,
+    qo_sb, qo_sh, qo_ss, qo_sd, ko_sb, ko_sh, ko_ss, ko_sd,
+    cos_sb, cos_ss, cos_sd, sin_sb, sin_ss, sin_sd, pos_sb, pos_ss,
+    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     # One program per token, covering all of its q heads and then all of its k heads: the launch rotates both, and
     # the token's cos / sin row is read once for Hq + Hk heads.
     token = tl.program_id(0).to(tl.int64)
@@ -152,6 +112,10 @@ def _rope_kernel(
     )  # fmt: skip
 
 
+def _error(where: str, expected: str, actual: str, fix: str) -> ShapeContractError:
+    return ShapeContractError(f"fastft.kernels.rope.{where}: expected {expected}, got {actual}; {fix}")
+
+
 def _check(
     where: str,
     q: torch.Tensor,
@@ -160,10 +124,11 @@ def _check(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
 ) -> None:
-    """Raise ShapeContractError (naming ``where``) unless the inputs fit the contract in the module docstring."""
+    """Raise ShapeContractError (naming ``where``) unless the shapes, dtypes and devices fit the contract in the
+    module docstring (what position_ids hold is :func:`_check_positions`' part)."""
 
     def _fail(expected: str, actual: str, fix: str) -> ShapeContractError:
-        return ShapeContractError(f"fastft.kernels.rope.{where}: expected {expected}, got {actual}; {fix}")
+        return _error(where, expected, actual, fix)
 
     if q.dim() != 4 or k.dim() != 4:
         raise _fail(
@@ -230,18 +195,60 @@ def _check(
             f"cos {tuple(cos.shape)}",
             "pass the whole tables with position_ids, or gathered cos / sin [batch, seq, head_dim] without them",
         )
-    if position_ids.numel() and not position_ids.is_meta:
-        # The kernel reads table row position_ids[b, s] with no bounds check of its own: an index past the table is
-        # an out-of-bounds read (silently wrong rotations, or an illegal-address fault that kills the CUDA
-        # context), where a torch gather would have raised. One min/max over batch * seq ints and a single
-        # host sync is cheap next to attention; gathered cos / sin carry no indices, so they skip this.
-        low, high = torch.stack(torch.aminmax(position_ids)).tolist()
-        if low < 0 or high >= cos.shape[0]:
-            raise _fail(
-                f"position_ids in [0, {cos.shape[0]}) (rows of the cos / sin tables)",
-                f"position_ids from {low} to {high}",
-                "build longer tables (max_position_embeddings) or truncate the sequences",
-            )
+
+
+def _check_positions(where: str, cos: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    """Raise ShapeContractError unless every position_id is a row of the tables (data-dependent: one host sync)."""
+    if position_ids is None or not position_ids.numel() or position_ids.is_meta:
+        return
+    # The kernel reads table row position_ids[b, s] with no bounds check of its own: an index past the table is
+    # an out-of-bounds read (silently wrong rotations, or an illegal-address fault that kills the CUDA
+    # context), where a torch gather would have raised. One min/max over batch * seq ints and a single
+    # host sync is cheap next to attention; gathered cos / sin (the default path) carry no indices, so skip this.
+    low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+    if low < 0 or high >= cos.shape[0]:
+        raise _error(
+            where,
+            f"position_ids in [0, {cos.shape[0]}) (rows of the cos / sin tables)",
+            f"position_ids from {low} to {high}",
+            "build longer tables (max_position_embeddings) or truncate the sequences",
+        )
+
+
+# Signatures (shapes, dtypes, devices) that passed _check. Bounded: a run whose sequence length changes every step
+# would otherwise grow it without end.
+_CHECKED: set[tuple[Any, ...]] = set()
+_MAX_CHECKED = 256
+
+
+def _checked(
+    where: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> None:
+    """:func:`_check` once per signature, then :func:`_check_positions` (which reads data) on every call."""
+    if compiling():
+        # Traced once per graph, and symbolic sizes cannot key a set.
+        _check(where, q, k, cos, sin, position_ids)
+        return
+    key = (q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, q.device, k.device, cos.device, sin.device)
+    if position_ids is not None:
+        key += (position_ids.shape, position_ids.dtype, position_ids.device)
+    if key not in _CHECKED:
+        _check(where, q, k, cos, sin, position_ids)
+        if len(_CHECKED) >= _MAX_CHECKED:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+    _check_positions(where, cos, position_ids)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # torch.promote_types(dtype, float32) for a floating dtype, without its aten op: fp32 at least, and float64 stays
+    # float64 (so the reference also serves as a float64 oracle).
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -256,17 +263,6 @@ def _gather(
     if position_ids is not None:
         cos, sin = cos[position_ids.long()], sin[position_ids.long()]
     return cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    # fp32 at least (float64 stays float64, so the function also serves as a float64 oracle); for fp32 inputs the
-    # casts are no-ops and the expression is transformers' own, so the result is bit-for-bit apply_rotary_pos_emb.
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xc, cos, sin = x.to(compute), cos.to(compute), sin.to(compute)
-    if backward:
-        # rotate_half is R = [[0, -I], [I, 0]] per pair, and R^T = -R: dx = dy * cos + R^T (dy * sin).
-        return (xc * cos - _rotate_half(xc * sin)).to(x.dtype)
-    return ((xc * cos) + (_rotate_half(xc) * sin)).to(x.dtype)
 
 
 def rope_reference(
@@ -292,9 +288,41 @@ def rope_reference(
     Raises:
         ShapeContractError: The shapes do not fit (see :func:`apply_rope`).
     """
-    _check("rope_reference", q, k, cos, sin, position_ids)
+    _checked("rope_reference", q, k, cos, sin, position_ids)
     cos, sin = _gather(cos, sin, position_ids)
-    return _rotate_reference(q, cos, sin, False), _rotate_reference(k, cos, sin, False)
+    compute = _compute_dtype(q.dtype)
+    cos, sin = cos.to(compute), sin.to(compute)
+    # For fp32 inputs the casts are no-ops and the expression is transformers' own.
+    return tuple(((x.to(compute) * cos) + (_rotate_half(x.to(compute)) * sin)).to(x.dtype) for x in (q, k))
+
+
+@functools.cache
+def _sign(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[-1] * half + [+1] * half``: ``rotate_half(x) == roll(x, half) * sign``; made once per head_dim and dtype."""
+    return torch.tensor([-1.0] * (head_dim // 2) + [1.0] * (head_dim // 2), dtype=dtype, device=device)
+
+
+def _reference_tables(
+    cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, compute: torch.dtype, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and the factor of roll(x, half) for the kernel's CPU path, [batch or 1, 1, seq, head_dim] in ``compute``.
+
+    Forward, ``rotate_half(x) * sin == roll(x, half) * (sign * sin)``: negating a factor is exact, so
+    ``x * cos + roll(x, half) * (sign * sin)`` has transformers' bits while costing two aten ops per tensor fewer
+    than slicing, negating and concatenating. Backward, the transpose of that map is
+    ``dy * cos + roll(dy, half) * roll(sign * sin, half)`` (per pair ``dx1 = dy1 cos1 + dy2 sin2``,
+    ``dx2 = dy2 cos2 - dy1 sin1``), the same expression with the factor rolled.
+    """
+    cos, sin = _gather(cos, sin, position_ids)
+    cos, sin = cos.to(compute), sin.to(compute)
+    factor = sin * _sign(sin.shape[-1], compute, sin.device)
+    return cos, (factor.roll(factor.shape[-1] // 2, -1) if backward else factor)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    # Always a new tensor (never x itself), so incoming gradients stay untouched and the op's outputs alias nothing.
+    xc = x.to(cos.dtype)
+    return ((xc * cos) + (xc.roll(x.shape[-1] // 2, -1) * factor)).to(x.dtype)
 
 
 def _launch(
@@ -349,13 +377,14 @@ def _rope_forward(
     position_ids: torch.Tensor | None,
     inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated (q, k) on the dispatched path: q and k themselves when in place, new tensors otherwise."""
+    """Checked, rotated (q, k) on the dispatched path: q and k themselves when in place, new tensors otherwise."""
+    _checked("apply_rope", q, k, cos, sin, position_ids)
     if dispatch.use_triton(q):
         q_out, k_out = (q, k) if inplace else (dispatch.empty_like(q), dispatch.empty_like(k))
         _launch(q, k, q_out, k_out, cos, sin, position_ids, backward=False)
         return q_out, k_out
-    cos, sin = _gather(cos, sin, position_ids)
-    q_rot, k_rot = _rotate_reference(q, cos, sin, False), _rotate_reference(k, cos, sin, False)
+    cos, factor = _reference_tables(cos, sin, position_ids, _compute_dtype(q.dtype), backward=False)
+    q_rot, k_rot = _rotate(q, cos, factor), _rotate(k, cos, factor)
     # Out of place the reference's own results are returned: copying them into fresh buffers would cost a pass.
     return (q.copy_(q_rot), k.copy_(k_rot)) if inplace else (q_rot, k_rot)
 
@@ -378,25 +407,79 @@ def _rope_backward(
         dk = None if grad_k is None else dispatch.empty(grad_k.shape, dtype=grad_k.dtype, device=grad_k.device)
         _launch(grad_q, grad_k, dq, dk, cos, sin, position_ids, backward=True)
         return dq, dk
-    cos, sin = _gather(cos, sin, position_ids)
-    # _rotate_reference always builds a new tensor, so the incoming gradients stay untouched here too.
-    dq = None if grad_q is None else _rotate_reference(grad_q, cos, sin, True)
-    dk = None if grad_k is None else _rotate_reference(grad_k, cos, sin, True)
+    compute = _compute_dtype((grad_q if grad_q is not None else grad_k).dtype)
+    cos, factor = _reference_tables(cos, sin, position_ids, compute, backward=True)
+    dq = None if grad_q is None else _rotate(grad_q, cos, factor)
+    dk = None if grad_k is None else _rotate(grad_k, cos, factor)
     return dq, dk
+
+
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _rope_forward(q, k, cos, sin, position_ids, inplace=False)
+    # The fake promises contiguous outputs; the reference's follow q's layout, so a transposed q is copied here.
+    return q_out.contiguous(), k_out.contiguous()
+
+
+def _backward_op(
+    grad_q: torch.Tensor | None,
+    grad_k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dq, dk = _rope_backward(grad_q, grad_k, cos, sin, position_ids)
+    # An op has no optional outputs: a missing gradient is an empty placeholder that autograd never sees.
+    return tuple(cos.new_empty(0) if d is None else d.contiguous() for d in (dq, dk))
+
+
+# The fakes: shapes and dtypes only (contiguous, as the implementations return them).
+rope_op = define("rope", _forward_op, fake=lambda q, k, cos, sin, pos: (q.new_empty(q.shape), k.new_empty(k.shape)))
+rope_backward_op = define(
+    "rope_backward",
+    _backward_op,
+    fake=lambda grad_q, grad_k, cos, sin, pos: tuple(
+        cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (grad_q, grad_k)
+    ),
+)
+
+
+def _save(ctx: Any, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    ctx.save_for_backward(cos, sin, position_ids)
+    # An output nobody used arrives as None instead of a zero tensor, and its half of the launch is skipped.
+    ctx.set_materialize_grads(False)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    _save(ctx, *inputs[2:5])
+
+
+def _grad(
+    ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    """Gradients for (q, k, cos, sin, position_ids): no gradient flows to the tables (see :func:`apply_rope`)."""
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = pick(rope_backward_op, _rope_backward)(grad_q, grad_k, cos, sin, position_ids)
+    return (None if grad_q is None else dq), (None if grad_k is None else dk), None, None, None
+
+
+register_autograd(rope_op, _setup_context, _grad)
 
 
 class RoPEFunction(torch.autograd.Function):
     """Rotary embedding of q and k with a gradient that saves only cos / sin (and position_ids).
 
-    ``RoPEFunction.apply(q, k, cos, sin, position_ids, inplace) -> (q_out, k_out)``. No gradient flows to cos or
-    sin (they come from a no-grad rotary embedding); :func:`apply_rope` sends learnable tables to the reference.
-    With ``inplace=True`` q and k must not be views while autograd records (a torch limit, see
-    :func:`apply_rope`, which handles views).
+    ``RoPEFunction.apply(q, k, cos, sin, position_ids, inplace) -> (q_out, k_out)``: the eager entry to the op
+    ``fastft::rope`` (its forward and backward code without the dispatcher), plus the in-place mode an op cannot
+    have. No gradient flows to cos or sin (they come from a no-grad rotary embedding); :func:`apply_rope` sends
+    learnable tables to the reference. With ``inplace=True`` q and k must not be views while autograd records (a
+    torch limit, see :func:`apply_rope`, which handles views).
     """
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         cos: torch.Tensor,
@@ -404,21 +487,16 @@ class RoPEFunction(torch.autograd.Function):
         position_ids: torch.Tensor | None,
         inplace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _check("apply_rope", q, k, cos, sin, position_ids)
-        ctx.save_for_backward(cos, sin, position_ids)
-        # An output nobody used arrives as None instead of a zero tensor, and its half of the launch is skipped.
-        ctx.set_materialize_grads(False)
+        rotated = _rope_forward(q, k, cos, sin, position_ids, inplace)
+        _save(ctx, cos, sin, position_ids)
         if inplace:
             ctx.mark_dirty(q, k)
-        return _rope_forward(q, k, cos, sin, position_ids, inplace)
+        return rotated
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        cos, sin, position_ids = ctx.saved_tensors
-        return (*_rope_backward(grad_q, grad_k, cos, sin, position_ids), None, None, None, None)
+    @once_differentiable
+    def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (*_grad(ctx, grad_q, grad_k), None)
 
 
 class _RoPEInPlaceQ(torch.autograd.Function):
@@ -426,28 +504,23 @@ class _RoPEInPlaceQ(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        _check("apply_rope", q, k, cos, sin, position_ids)
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.set_materialize_grads(False)
-        ctx.mark_dirty(q)
         # k is rotated here too; _RoPEInPlaceK, applied right after, tells autograd (no other op runs between).
         _rope_forward(q, k, cos, sin, position_ids, inplace=True)
+        _save(ctx, cos, sin, position_ids)
+        ctx.mark_dirty(q)
         return q
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        cos, sin, position_ids = ctx.saved_tensors
-        return _rope_backward(grad_q, None, cos, sin, position_ids)[0], None, None, None, None
+    @once_differentiable
+    def backward(ctx: Any, grad_q: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return _grad(ctx, grad_q, None)[0], None, None, None, None
 
 
 class _RoPEInPlaceK(torch.autograd.Function):
@@ -455,24 +528,16 @@ class _RoPEInPlaceK(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        k: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        position_ids: torch.Tensor | None,
+        ctx: Any, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.set_materialize_grads(False)
+        _save(ctx, cos, sin, position_ids)
         ctx.mark_dirty(k)
         return k
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_k: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        cos, sin, position_ids = ctx.saved_tensors
-        return _rope_backward(None, grad_k, cos, sin, position_ids)[1], None, None, None
+    @once_differentiable
+    def backward(ctx: Any, grad_k: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return _grad(ctx, None, grad_k)[1], None, None, None
 
 
 def apply_rope(
@@ -513,6 +578,15 @@ def apply_rope(
                 "the unrotated q and k); detach the tables or use inplace=False"
             )
         return rope_reference(q, k, cos, sin, position_ids)
+    if compiling():
+        # Checked at trace time; position_ids are range-checked inside the op, when the data exists.
+        _check("apply_rope", q, k, cos, sin, position_ids)
+        q_rot, k_rot = rope_op(q, k, cos, sin, position_ids)
+        if inplace:
+            # An op may not return its inputs: the graph rotates out of place and writes the result back, which the
+            # compiler's functionalization turns into whatever in-place update it can prove safe.
+            return q.copy_(q_rot), k.copy_(k_rot)
+        return q_rot, k_rot
     if inplace and (q._base is not None or k._base is not None):
         # torch refuses a Function that modifies a view in place and returns more than one tensor (it can only
         # rebase one view's history per node), and transformers' q / k are views (transposes). So the one launch

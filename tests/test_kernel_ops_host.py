@@ -1,0 +1,177 @@
+"""What an eager call of RMSNorm, RoPE, SwiGLU or GeGLU costs the host: the autograd.Function (not the custom-op
+dispatcher), shape checks once per signature, a bounded number of aten ops on the CPU reference path (what the host
+benchmark counts), and no host sync on the default path."""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import random_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastft.kernels import apply_rope, dispatch, geglu, rms_norm, swiglu
+from fastft.kernels.errors import ShapeContractError
+
+rms_norm_module = importlib.import_module("fastft.kernels.rms_norm")
+rope_module = importlib.import_module("fastft.kernels.rope")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that reaches the dispatcher below autograd (what the host benchmark counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _activations(gen, *shapes):
+    # Non-leaf tensors, as a layer's inputs are (a gate kernel writes its gradients over such buffers).
+    return [random_tensor(shape, torch.float32, gen).requires_grad_() * 1.0 for shape in shapes]
+
+
+def norm_case(gen, frozen_weight=False):
+    (x,) = _activations(gen, (1, 16, 64))
+    weight = random_tensor((64,), torch.float32, gen).requires_grad_(not frozen_weight)
+    return (lambda: (rms_norm(x, weight, 1e-6),)), [x] + ([] if frozen_weight else [weight])
+
+
+def rope_case(gen):
+    # The host benchmark's shapes: q / k as transposes of [batch, seq, heads, head_dim], gathered cos / sin.
+    q_rows, k_rows = _activations(gen, (1, 16, 4, 16), (1, 16, 2, 16))
+    q, k = q_rows.transpose(1, 2), k_rows.transpose(1, 2)
+    cos, sin = random_tensor((1, 16, 16), torch.float32, gen), random_tensor((1, 16, 16), torch.float32, gen)
+    return (lambda: apply_rope(q, k, cos, sin)), [q, k]
+
+
+def gate_case(gen, gate):
+    gate_in, up_in = _activations(gen, (16, 128), (16, 128))
+    return (lambda: (gate(gate_in, up_in),)), [gate_in, up_in]
+
+
+# (builder, grad_fn class of the output, aten ops per forward + backward today on the fp32 reference path).
+CASES = {
+    "rms_norm": (norm_case, "RMSNormFunctionBackward", 14),
+    "rms_norm-frozen-weight": (lambda gen: norm_case(gen, frozen_weight=True), "RMSNormFunctionBackward", 12),
+    "apply_rope": (rope_case, "RoPEFunctionBackward", 23),
+    "swiglu": (lambda gen: gate_case(gen, swiglu), "SwiGLUFunctionBackward", 6),
+    "geglu": (lambda gen: gate_case(gen, geglu), "GeGLUFunctionBackward", 6),
+}
+
+
+def _forward_backward(call: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple[tuple, Counter[str]]:
+    """The outputs of one forward and backward, and the aten ops they ran (the upstream gradients' excluded)."""
+    with OpCounter() as forward:
+        outputs = call()
+    grads = [torch.ones_like(out) for out in outputs]
+    with OpCounter() as backward:
+        torch.autograd.grad(outputs, inputs, grads)
+    return outputs, forward.ops + backward.ops
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_eager_calls_take_the_function_and_few_aten_ops(gen, name):
+    build, grad_fn, budget = CASES[name]
+    call, inputs = build(gen)
+    with dispatch.force_reference():
+        _forward_backward(call, inputs)  # the first call of this signature: its checks run here, not below
+        outputs, ops = _forward_backward(call, inputs)
+
+    assert all(type(out.grad_fn).__name__ == grad_fn for out in outputs)
+    # Eager never pays the custom-op dispatcher (about 3x an autograd.Function's cost per call).
+    assert not [op for op in ops if op.startswith("fastft.")]
+    # Nothing that depends only on shapes and dtypes (torch.promote_types is an aten op), and no host sync.
+    assert "aten.promote_types.default" not in ops
+    assert "aten._local_scalar_dense.default" not in ops
+    # A budget, not a target: a change that adds an op to the hot path has to say why here.
+    assert sum(ops.values()) <= budget, ops
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_rms_norm_checks_once_per_signature(gen, monkeypatch):
+    monkeypatch.setattr(rms_norm_module, "_PLANS", {})
+    calls = _counting(monkeypatch, rms_norm_module, "_check_shapes")
+    weight = random_tensor((64,), torch.float32, gen)
+    for rows in (3, 3, 3, 5, 5):
+        rms_norm(random_tensor((rows, 64), torch.float32, gen), weight)
+    assert len(calls) == 2
+    rms_norm(random_tensor((5, 64), torch.float32, gen), weight, offset=1.0, cast_before_weight=False)
+    assert len(calls) == 3  # another variant is another signature
+
+
+def test_rope_checks_once_per_signature_but_positions_every_call(gen, monkeypatch):
+    monkeypatch.setattr(rope_module, "_CHECKED", set())
+    calls = _counting(monkeypatch, rope_module, "_check")
+    q, k = random_tensor((1, 2, 3, 8), torch.float32, gen), random_tensor((1, 1, 3, 8), torch.float32, gen)
+    cos, sin = random_tensor((4, 8), torch.float32, gen), random_tensor((4, 8), torch.float32, gen)
+    apply_rope(q, k, cos, sin, position_ids=torch.tensor([[0, 1, 2]]))
+    apply_rope(q, k, cos, sin, position_ids=torch.tensor([[1, 2, 3]]))
+    assert len(calls) == 1
+    # The same signature with positions past the tables: the data check is not cached.
+    with pytest.raises(ShapeContractError, match=r"position_ids in \[0, 4\).*from 2 to 4"):
+        apply_rope(q, k, cos, sin, position_ids=torch.tensor([[2, 3, 4]]))
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "message"),
+    [
+        ({}, {"cast_before_weight": 1}, r"cast_before_weight must be True or False, got 1"),
+        ({"offset": 1.0}, {"offset": True}, r"offset must be a finite number, got True"),
+        ({}, {"offset": [1.0]}, r"offset must be a finite number, got \[1\.0\]"),
+    ],
+    ids=["one-is-not-true", "true-is-not-one", "unhashable-offset"],
+)
+def test_signature_cache_never_lets_a_bad_variant_through(gen, first, second, message):
+    # True == 1 and hash(True) == hash(1): a key without the types would hand the bad call a good call's plan.
+    x, weight = random_tensor((2, 64), torch.float32, gen), random_tensor((64,), torch.float32, gen)
+    rms_norm(x, weight, **first)
+    with pytest.raises(ValueError, match=message):
+        rms_norm(x, weight, **second)
+
+
+def test_bad_shapes_raise_on_every_call(gen):
+    x = random_tensor((2, 64), torch.float32, gen)
+    for _ in range(2):  # a failed check is never remembered as passed
+        with pytest.raises(ShapeContractError, match=r"weight has shape \[63\]"):
+            rms_norm(x, random_tensor((63,), torch.float32, gen))
+
+
+def _norm_of_rows(gen, rows: int) -> None:
+    rms_norm(random_tensor((rows, 64), torch.float32, gen), random_tensor((64,), torch.float32, gen))
+
+
+def _rope_of_seq(gen, seq: int) -> None:
+    q, k = random_tensor((1, 2, seq, 8), torch.float32, gen), random_tensor((1, 1, seq, 8), torch.float32, gen)
+    cos, sin = random_tensor((1, seq, 8), torch.float32, gen), random_tensor((1, seq, 8), torch.float32, gen)
+    apply_rope(q, k, cos, sin)
+
+
+@pytest.mark.parametrize(
+    ("module", "cache", "limit", "call"),
+    [(rms_norm_module, "_PLANS", "_MAX_PLANS", _norm_of_rows), (rope_module, "_CHECKED", "_MAX_CHECKED", _rope_of_seq)],
+    ids=["rms_norm", "rope"],
+)
+def test_signature_caches_are_bounded(gen, monkeypatch, module, cache, limit, call):
+    monkeypatch.setattr(module, cache, type(getattr(module, cache))())
+    monkeypatch.setattr(module, limit, 3)
+    for length in range(1, 9):  # a run whose sequence length changes every step
+        call(gen, length)
+        assert len(getattr(module, cache)) <= 3
