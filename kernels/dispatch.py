@@ -52,20 +52,34 @@ INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
 _state = threading.local()
 
 
+# The switch is read at call time (tests and users flip it inside a process), on every kernel call: os.environ.get
+# re-encodes the key and decodes the value (about 0.5 µs); the mapping os.environ keeps underneath, a plain dict,
+# answers the same question in a lookup.
+_DISABLE = "FASTFT_DISABLE_TRITON"
+_ENVIRON = getattr(os.environ, "_data", None)
+_DISABLE_KEY = os.environ.encodekey(_DISABLE) if _ENVIRON is not None else _DISABLE
+_ONE = os.environ.encodevalue("1") if _ENVIRON is not None else "1"
+
+
+def _disabled_by_environment() -> bool:
+    if _ENVIRON is None:
+        return os.environ.get(_DISABLE, "0") == "1"
+    return _ENVIRON.get(_DISABLE_KEY) == _ONE
+
+
 def _forced_reference() -> bool:
-    return getattr(_state, "reference", False) or os.environ.get("FASTFT_DISABLE_TRITON", "0") == "1"
+    return getattr(_state, "reference", False) or _disabled_by_environment()
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether a kernel call on ``tensor`` runs the Triton kernel (True) or the torch reference (False)."""
-    if not HAS_TRITON or _forced_reference():
-        return False
     if tensor.is_cuda:
-        return True
-    if tensor.is_meta and targets.simulated() is not None:
+        return HAS_TRITON and not _forced_reference()
+    if tensor.is_meta:
         # The static compile check runs the CUDA launch code on meta tensors for a simulated target.
-        return True
-    return INTERPRETED and tensor.device.type == "cpu"
+        return HAS_TRITON and targets.simulated() is not None and not _forced_reference()
+    # CPU: only the interpreter runs Triton there (INTERPRETED implies HAS_TRITON); without it nothing else matters.
+    return INTERPRETED and tensor.device.type == "cpu" and not _forced_reference()
 
 
 @contextlib.contextmanager
