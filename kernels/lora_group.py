@@ -127,6 +127,11 @@ class LoRAGroup:
         group: The tuner's group, one of :data:`GROUPS`.
         split: For a packed projection (Phi-3's qkv_proj), the widths its output is split into.
 
+    Attributes:
+        function, names, projections, group, split: As passed (names and projections as tuples).
+        shapes: Each projection's base ``(out_features, in_features)`` (read from the quant_state for NF4).
+        out_features: Each output's width (the split widths for a packed projection).
+
     Raises:
         ShapeContractError: A bias, A or B that does not fit its base weight, a packed weight without a usable
             quant_state, or split widths that do not add up to the projection's out_features (named, both shapes).
@@ -159,9 +164,14 @@ class LoRAGroup:
             raise ValueError(f"{function}: group must be one of {', '.join(GROUPS)}, got {group!r}.")
         shapes = [check_projection(f"{function}: {name}", p) for name, p in zip(names, projections, strict=True)]
         if split is not None:
+            if len(projections) != 1:
+                raise ValueError(
+                    f"{function}: split= cuts the output of one packed projection, got {len(projections)} "
+                    f"projections {list(names)}; pass the packed projection alone."
+                )
             split = tuple(int(width) for width in split)
             packed = shapes[0][0]
-            if len(projections) != 1 or sum(split) != packed or any(width <= 0 for width in split):
+            if sum(split) != packed or any(width <= 0 for width in split):
                 raise ShapeContractError(
                     f"{function}: {names[0]} has out_features {packed}, but the q / k / v widths {list(split)} add "
                     f"up to {sum(split)}; the widths are heads · head_dim, kv_heads · head_dim, kv_heads · head_dim "

@@ -431,6 +431,8 @@ def test_groups_are_immutable_and_refuse_a_wrong_size(gen):
     assert group.out_features == WIDTHS and "q_proj [72, 48] r=2" in repr(group)
     with pytest.raises(ValueError, match=r"lora_qkv: a fused LoRA group holds 1 to 3 projections .* got 6"):
         qkv_group(qkv_projections(torch.float32, gen, [None] * 3) * 2)
+    with pytest.raises(ValueError, match=r"lora_qkv: split= cuts the output of one packed projection, got 3"):
+        LoRAGroup("lora_qkv", QKV_NAMES, group.projections, "qkv", split=WIDTHS)
     with pytest.raises(ValueError, match="group must be one of qkv, o, gate_up, down, got 'attention'"):
         LoRAGroup("lora_qkv", QKV_NAMES, group.projections, "attention")
     with pytest.raises(ValueError, match="LoRAMLP: down must hold down_proj only, got 3"):
