@@ -25,7 +25,14 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
                                 ``activation="gelu_tanh"`` for Gemma's GeGLU MLP.
 ``lora_gate_up_mlp``            the same over a packed gate_up projection (Phi-3): ``(x, gate_up, down)``.
 ``lora_packed_qkv``             a packed q | k | v projection (Phi-3) in one launch, split at the given widths.
+``LoRAGroup``                   one to three projections of the same input, checked once and applied per call
+                                (``group(x)`` returns one output per projection): what a patch holds per layer.
+``LoRAMLP(gate_up, down, act)`` the fused LoRA-MLP over two :class:`LoRAGroup` s, checked once.
 ==============================  ==============================================================================
+
+The LoRA groups and the MLP are also the custom ops ``fastft::lora_group`` / ``fastft::lora_mlp`` (with their
+``_backward`` ops), which they call while ``torch.compile`` traces them; eager calls take the cheaper
+``autograd.Function``.
 """
 
 from fastft.kernels.cross_entropy import (
@@ -41,7 +48,8 @@ from fastft.kernels.linear_logprobs import (
     fused_linear_logprobs,
     linear_logprobs_reference,
 )
-from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_gate_up_mlp, lora_mlp
+from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_mlp import LoRAMLP, LoRAMLPFunction, lora_gate_up_mlp, lora_mlp
 from fastft.kernels.lora_o import LoRAOFunction, lora_o
 from fastft.kernels.lora_packed_qkv import LoRAPackedQKVFunction, lora_packed_qkv
 from fastft.kernels.lora_projection import LoRAWeights, release_buffers
@@ -60,6 +68,8 @@ __all__ = [
     "LoRAPackedQKVFunction",
     "LoRAQKVFunction",
     "LoRAWeights",
+    "LoRAGroup",
+    "LoRAMLP",
     "LogProbOutputs",
     "NF4LinearFunction",
     "RMSNormFunction",

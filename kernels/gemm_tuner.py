@@ -13,6 +13,9 @@ with one warning. On the CPU the cuBLAS path is torch's CPU matmul (the referenc
 (``TRITON_INTERPRET=1``) ``auto`` runs the Triton kernel, which is how CI checks it.
 
 Every choice made in this process is kept for :func:`choices`, which ``patch_report`` and ``fastft doctor`` show.
+A fused group calls :func:`choose` only the first time it meets a new :func:`plan_key` (shape bucket, dtype, device,
+dispatch and tuner state) and reuses that choice after: building the bucket, reading the environment and recording
+cost tens of microseconds of host time, which a training step pays per group and layer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 import statistics
 import tempfile
@@ -268,10 +270,15 @@ def tune(
 _made: dict[tuple[str, str, str, str], Choice] = {}
 _memo: dict[str, Choice] = {}
 _warned: set[str] = set()
+# Bumped by reset(): a group's memoised choice from before a reset is made (and recorded) again.
+_generation = 0
 
 
 def _record(group: str, device: str, dtype: torch.dtype, bucket: str, choice: Choice) -> Choice:
-    _made[(group, device, str(dtype).removeprefix("torch."), bucket)] = choice
+    key = (group, device, str(dtype).removeprefix("torch."), bucket)
+    # Re-inserted, so that by_group's "latest per group" is the latest made, not the bucket's first.
+    _made.pop(key, None)
+    _made[key] = choice
     return choice
 
 
@@ -303,9 +310,37 @@ def by_group() -> dict[str, str]:
 
 
 def reset() -> None:
-    """Forget this process's choices (the disk cache stays)."""
+    """Forget this process's choices (the disk cache stays); every group chooses again on its next call."""
+    global _generation
     _made.clear()
     _memo.clear()
+    _generation += 1
+
+
+def rows_bucket(m: int) -> int:
+    """M rounded up to a power of two (at least 1): the rows part of a shape bucket."""
+    return 1 << (max(m, 1) - 1).bit_length()
+
+
+def plan_key(x: torch.Tensor) -> tuple:
+    """Everything besides the group's fixed shapes that :func:`choose` reads for an ``[M, K]`` input ``x``: M's
+    bucket, dtype, device, whether Triton runs on it, the forced mode and pinned candidate, ``FASTFT_GEMM``,
+    ``FASTFT_NF4_DEQUANT``, the simulated target and :func:`reset`'s generation. Two calls with equal keys get the
+    same choice, so a group memoises it under this key (invalid settings are not validated here: :func:`choose`
+    raises on them before anything is memoised)."""
+    environ = os.environ
+    return (
+        rows_bucket(x.shape[0]),
+        x.dtype,
+        x.device,
+        dispatch.use_triton(x),
+        getattr(_state, "mode", None),
+        getattr(_state, "pinned", None),
+        environ.get(GEMM_ENV),
+        environ.get(NF4_DEQUANT_ENV),
+        targets.simulated(),
+        _generation,
+    )
 
 
 def _warn_once(message: str) -> None:
@@ -316,7 +351,7 @@ def _warn_once(message: str) -> None:
 
 def bucket(widths: Sequence[int], k: int, ranks: Sequence[int], m: int, packed: bool) -> str:
     """The shape bucket of a group: exact widths, K and ranks (a model has few), M rounded up to a power of two."""
-    rows = 1 << max(0, math.ceil(math.log2(max(m, 1))))
+    rows = rows_bucket(m)
     kind = "nf4" if packed else "dense"
     return f"{kind} K={k} N={'/'.join(map(str, widths))} r={'/'.join(map(str, ranks))} M<={rows}"
 
@@ -444,9 +479,11 @@ __all__ = [
     "mode",
     "nf4_decode",
     "no_triton_reason",
+    "plan_key",
     "policy",
     "read_cache",
     "reset",
+    "rows_bucket",
     "triton_candidates",
     "tune",
     "write_cache",

@@ -6,138 +6,266 @@ the :mod:`fastft.kernels.swiglu` or :mod:`fastft.kernels.geglu` kernel, and down
 saves X, the gate and up pre-activations and the small X Aᵀ / H A_downᵀ; the product ``H = act(gate) · up`` (as wide
 as gate) is not saved but recomputed in backward, where the gate's gradients are then written over the saved
 gate / up buffers. Stock autograd keeps gate, act(gate), up and H, so this saves half of the MLP's wide activations.
+
+A patch holds a :class:`LoRAMLP` (two :class:`~fastft.kernels.lora_group.LoRAGroup`\\ s and the activation, checked
+once) per layer; :func:`lora_mlp` and :func:`lora_gate_up_mlp` build one per call. Eager calls apply
+:class:`LoRAMLPFunction`; under ``torch.compile`` the custom op ``fastft::lora_mlp`` runs the same math
+(:mod:`fastft.kernels.lora_mlp_math`, which also gives the op schemas).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from fastft.kernels import lora_mlp_math
+from fastft.kernels.custom_ops import compiling
 from fastft.kernels.errors import ShapeContractError
-from fastft.kernels.geglu import geglu_backward_, geglu_forward
+from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_mlp_math import ACTIVATIONS, gate_functions
 from fastft.kernels.lora_projection import (
+    FLOAT_DTYPES,
     LoRAWeights,
+    autocast_dtype,
     autocast_off,
-    check_group,
-    compute_dtype,
-    function_inputs,
-    group_backward,
-    group_forward,
+    frozen_error,
     quant_state_of,
-    rebuild,
-    weight_shape,
+    x_dtype_error,
+    x_shape_error,
 )
-from fastft.kernels.swiglu import swiglu_backward_, swiglu_forward
-
-GateForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-GateBackward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-# activation name -> (H = act(gate) * up, the backward that writes d gate / d up over the gate / up buffers).
-ACTIVATIONS: dict[str, tuple[GateForward, GateBackward]] = {
-    "silu": (swiglu_forward, swiglu_backward_),
-    "gelu_tanh": (geglu_forward, geglu_backward_),
-}
 
 
-def _gate_functions(activation: object) -> tuple[GateForward, GateBackward]:
-    functions = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
-    if functions is None:
-        accepted = ", ".join(repr(name) for name in ACTIVATIONS)
-        raise ValueError(
-            f"lora_mlp: activation must be one of {accepted} (silu: SwiGLU, as in Llama; gelu_tanh: GeGLU with "
-            f"transformers' gelu_pytorch_tanh, as in Gemma), got {activation!r}"
-        )
-    return functions
+class LoRAMLP:
+    """A gated MLP with LoRA on its projections: a gate / up group, the activation, a down group; checked once,
+    applied per call.
+
+    Args:
+        gate_up: The gate and up projections as a two-projection group (``LoRAGroup("lora_mlp", ("gate_proj",
+            "up_proj"), [gate, up], "gate_up")``), or a packed gate_up as a one-projection group whose first half of
+            rows is gate's and second up's (``LoRAGroup("lora_gate_up_mlp", ("gate_up_proj",), [w], "gate_up")``).
+        down: down_proj as a one-projection group (``LoRAGroup("lora_mlp", ("down_proj",), [d], "down")``).
+        activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, transformers' ``gelu_pytorch_tanh``).
+
+    Raises:
+        ValueError: An unknown activation, or groups of the wrong size or with a split.
+        ShapeContractError: gate and up of different widths, an odd packed gate_up, or a down_proj whose in_features
+            is not the intermediate size (named, with both shapes).
+    """
+
+    def __init__(self, gate_up: LoRAGroup, down: LoRAGroup, activation: str = "silu") -> None:
+        gate_functions(activation)  # an unknown activation fails first, as lora_mlp's does
+        for role, group in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(group, LoRAGroup) or group.split is not None:
+                raise ValueError(
+                    f"LoRAMLP: {role} must be a LoRAGroup without split=, got {group!r}; build it with "
+                    "LoRAGroup(function, names, projections, group)."
+                )
+        shapes = gate_up.shapes
+        if len(shapes) == 2:
+            intermediate = shapes[0][0]
+            if shapes[1][0] != intermediate:
+                raise ShapeContractError(
+                    f"{gate_up.function}: {gate_up.names[1]} must be [intermediate, hidden] = {list(shapes[0])} like "
+                    f"{gate_up.names[0]}, got {list(shapes[1])}; gate and up of one MLP share the intermediate size."
+                )
+            source = f"{gate_up.names[0]}'s out_features"
+        elif len(shapes) == 1:
+            if shapes[0][0] % 2:
+                raise ShapeContractError(
+                    f"{gate_up.function}: {gate_up.names[0]} must be [2 · intermediate, hidden], got "
+                    f"{list(shapes[0])} with an odd number of rows; it holds gate's rows then up's, so its "
+                    "out_features must be even."
+                )
+            intermediate = shapes[0][0] // 2
+            source = f"half of {gate_up.names[0]}'s out_features"
+        else:
+            raise ValueError(
+                f"LoRAMLP: gate_up must hold gate and up, or one packed gate_up, got {len(shapes)} projections "
+                f"{list(gate_up.names)}."
+            )
+        if len(down.shapes) != 1:
+            raise ValueError(f"LoRAMLP: down must hold down_proj only, got {len(down.shapes)} projections.")
+        ((out_features, in_features),) = down.shapes
+        if in_features != intermediate:
+            # down reads H = act(gate) * up, [..., intermediate]; a meta stand-in names its shape.
+            h = torch.empty((1, intermediate), device="meta")
+            name = f"its input H = {activation}(gate) * up ({source} {intermediate})"
+            raise x_shape_error(f"{down.function}: {down.names[0]}", h, out_features, in_features, name)
+        values = {
+            "gate_up": gate_up,
+            "down": down,
+            "activation": activation,
+            "_adapters": (
+                *gate_up._adapters[: gate_up._lora_count],
+                *down._adapters[: down._lora_count],
+                *gate_up._adapters[gate_up._lora_count :],
+                *down._adapters[down._lora_count :],
+            ),
+            "_lora_count": gate_up._lora_count + down._lora_count,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"LoRAMLP is immutable; build a new one instead of setting {name!r}.")
+
+    @classmethod
+    def from_projections(cls, projections: Sequence[LoRAWeights], activation: str = "silu") -> LoRAMLP:
+        """The MLP of :func:`lora_mlp`'s ``(gate, up, down)`` or :func:`lora_gate_up_mlp`'s ``(gate_up, down)``,
+        checked as those functions check them."""
+        gate_functions(activation)
+        *gate_up, down = projections
+        if len(gate_up) == 2:
+            group = LoRAGroup("lora_mlp", ("gate_proj", "up_proj"), gate_up, "gate_up")
+        else:
+            group = LoRAGroup("lora_gate_up_mlp", ("gate_up_proj",), gate_up, "gate_up")
+        return cls(group, LoRAGroup("lora_mlp", ("down_proj",), (down,), "down"), activation)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``x [..., hidden]``; under autocast x is cast to its dtype first.
+
+        Returns:
+            ``down(act(gate(x)) * up(x))`` as ``[..., hidden]`` in the compute dtype. Gradients flow to x and to
+            every A and B; base weights and biases are frozen.
+
+        Raises:
+            TypeError: x is not float32 / float16 / bfloat16.
+            ShapeContractError: x's last dim is not gate_proj's in_features.
+            ValueError: A base weight or bias requires grad while autograd is on (it would get no gradient).
+        """
+        self.gate_up.check_input(x)
+        down = self.down
+        if torch.is_grad_enabled() and any(t.requires_grad for t in down._frozen):
+            raise frozen_error(f"{down.function}: {down.names[0]}", down.projections[0])
+        dtype = autocast_dtype(x)
+        if dtype is None:
+            return self._apply(x)
+        with autocast_off(x):
+            return self._apply(x.to(dtype))
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+        if compiling():
+            return lora_mlp_math.op(x, **self.op_arguments(x.dtype))[0]
+        return LoRAMLPFunction.apply(x, self, *self._adapters)
+
+    def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The custom op ``fastft::lora_mlp``'s keyword arguments after x (see :mod:`fastft.kernels.lora_mlp_math`)."""
+        gate_up, down = self.gate_up.op_arguments(dtype), self.down.op_arguments(dtype)
+        arguments: dict[str, Any] = {name: gate_up[name] + down[name] for name in gate_up}
+        arguments.update(activation=self.activation, gate_up_group=self.gate_up.group, down_group=self.down.group)
+        return arguments
+
+    def __repr__(self) -> str:
+        return f"LoRAMLP({self.gate_up!r}, {self.activation}, {self.down!r})"
 
 
-# Input positions of LoRAMLPFunction.forward as ctx.needs_input_grad counts them (ctx excluded): x, projections,
-# activation, then the n weights, n A's and n B's (n = 3, or 2 for a packed gate_up).
-_X, _TENSORS = 0, 3
+def _tensors(group: LoRAGroup, adapters: Sequence[torch.Tensor]) -> lora_mlp_math.Tensors:
+    count = len(adapters) // 2
+    return group._weights, group._quant_states, adapters[:count], adapters[count:], group._biases
 
 
-def _gate_and_up(
-    x2d: torch.Tensor, projections: list[LoRAWeights]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """gate and up pre-activations [M, intermediate] each, contiguous, and the stacked X Aᵀ of their group."""
-    if len(projections) == 2:
-        (gate_out, up_out), xa = group_forward(x2d, projections, "gate_up")
-        return gate_out, up_out, xa
-    # A packed gate_up (Phi-3): one projection whose rows are gate's, then up's; the gate kernel reads contiguous
-    # halves, and backward writes its gradients over them.
-    (gate_up_out,), xa = group_forward(x2d, projections, "gate_up")
-    gate_out, up_out = (half.contiguous() for half in gate_up_out.chunk(2, dim=1))
-    return gate_out, up_out, xa
+def _legacy(projections: Sequence[LoRAWeights], arguments: Sequence[Any]) -> LoRAMLP:
+    # (x, projections, activation, W..., A..., B...): the projections again over the tensors autograd passed in.
+    activation, tensors = arguments[0], arguments[1:]
+    gate_functions(activation)
+    n = len(projections)
+    rebuilt = [
+        LoRAWeights(tensors[i], tensors[n + i], tensors[2 * n + i], p.scale, quant_state_of(p), p.bias)
+        for i, p in enumerate(projections)
+    ]
+    return LoRAMLP.from_projections(rebuilt, activation)
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """Autograd node of :func:`lora_mlp` / :func:`lora_gate_up_mlp`; arguments ``(x, projections, activation, W...,
-    A..., B...)`` over (gate, up, down) or (gate_up, down), ``activation`` one of :data:`ACTIVATIONS` (``"silu"`` or
-    ``"gelu_tanh"``)."""
+    """Eager autograd node of :class:`LoRAMLP`: arguments ``(x, mlp, *A's, *B's)``, the A's and B's of the gate / up
+    projections that carry LoRA, then down's. The form ``(x, projections, activation, W..., A..., B...)`` over
+    (gate, up, down) or (gate_up, down), ``activation`` one of :data:`ACTIVATIONS`, is accepted too."""
 
     @staticmethod
-    def forward(
-        ctx, x: torch.Tensor, projections: tuple[LoRAWeights, ...], activation: str, *tensors: Any
-    ) -> torch.Tensor:
-        gate_forward, _ = _gate_functions(activation)
-        *gate_up, down = rebuild(projections, tensors)
-        x2d = x.reshape(-1, x.shape[-1])
-        gate_out, up_out, xa_gate_up = _gate_and_up(x2d, gate_up)
-        hidden = gate_forward(gate_out, up_out)
-        (out,), xa_down = group_forward(hidden, [down], "down")
-        ctx.activation = activation
+    def forward(ctx: Any, x: torch.Tensor, mlp: Any, *arguments: Any) -> torch.Tensor:
+        ctx.legacy = 0
+        if not isinstance(mlp, LoRAMLP):
+            ctx.legacy = len(mlp)
+            mlp = _legacy(mlp, arguments)
+            arguments = mlp._adapters
+        gate_up, down = mlp.gate_up, mlp.down
+        count, total = gate_up._lora_count, mlp._lora_count
+        gate_up_adapters = (*arguments[:count], *arguments[total : total + count])
+        down_adapters = (*arguments[count:total], *arguments[total + count :])
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        out, xa_gate_up, gate, up, xa_down = lora_mlp_math.forward(
+            gate_up._spec,
+            down._spec,
+            x2d,
+            _tensors(gate_up, gate_up_adapters),
+            _tensors(down, down_adapters),
+            mlp.activation,
+        )
+        ctx.mlp = mlp
         ctx.x_shape = x.shape
-        ctx.count = len(projections)
-        ctx.scales = [float(p.scale) for p in (*gate_up, down)]
-        ctx.quant_states = [quant_state_of(p) for p in (*gate_up, down)]
-        ctx.save_for_backward(x2d, xa_gate_up, gate_out, up_out, xa_down, *tensors)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        ctx.save_for_backward(x2d, xa_gate_up, gate, up, xa_down, *arguments)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:
-        x2d, xa_gate_up, gate_out, up_out, xa_down, *tensors = ctx.saved_tensors
-        n = ctx.count
-        *gate_up, down = (
-            LoRAWeights(tensors[i], tensors[n + i], tensors[2 * n + i], ctx.scales[i], ctx.quant_states[i])
-            for i in range(n)
-        )
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2d, xa_gate_up, gate, up, xa_down, *adapters = ctx.saved_tensors
+        mlp = ctx.mlp
+        gate_up, down = mlp.gate_up, mlp.down
+        count, total = gate_up._lora_count, mlp._lora_count
         needs = ctx.needs_input_grad
-        needs_lora = [needs[_TENSORS + n + i] or needs[_TENSORS + 2 * n + i] for i in range(n)]
-        gate_forward, gate_backward_ = _gate_functions(ctx.activation)
-
-        hidden = gate_forward(gate_out, up_out)
-        grad_hidden, (grad_a_down,), (grad_b_down,) = group_backward(
-            hidden, xa_down, [down], [grad], True, [needs_lora[-1]]
+        if ctx.legacy:
+            needs_lora = _legacy_needs(mlp, needs, ctx.legacy)
+        else:
+            needs_lora = [needs[2 + j] or needs[2 + total + j] for j in range(total)]
+        grad_x, grad_a, grad_b = lora_mlp_math.backward(
+            gate_up._spec,
+            down._spec,
+            x2d,
+            xa_gate_up,
+            gate,
+            up,
+            xa_down,
+            grad,
+            _tensors(gate_up, (*adapters[:count], *adapters[total : total + count])),
+            _tensors(down, (*adapters[count:total], *adapters[total + count :])),
+            mlp.activation,
+            needs[0],
+            needs_lora,
+            in_place=True,
         )
-        del hidden
-        grad_gate, grad_up = gate_backward_(grad_hidden, gate_out, up_out)
-        del grad_hidden
-        grads = [grad_gate, grad_up] if n == 3 else [torch.cat([grad_gate, grad_up], dim=1)]
-        grad_x, grad_a, grad_b = group_backward(x2d, xa_gate_up, gate_up, grads, needs[_X], needs_lora[:-1])
-        if grad_x is not None:
+        if grad_x is not None and len(ctx.x_shape) != 2:
             grad_x = grad_x.view(ctx.x_shape)
-        # x, projections, activation, the frozen weights, then every A and every B.
-        return (grad_x, None, None, *[None] * n, *grad_a, grad_a_down, *grad_b, grad_b_down)
+        if not ctx.legacy:
+            return (grad_x, None, *grad_a, *grad_b)
+        # x, projections, activation, the frozen weights, then every A and every B (None where no adapter).
+        n = ctx.legacy
+        full_a, full_b = [None] * n, [None] * n
+        for j, segment in enumerate(_lora_segments(mlp)):
+            full_a[segment], full_b[segment] = grad_a[j], grad_b[j]
+        return (grad_x, None, None, *[None] * n, *full_a, *full_b)
 
 
-def _check_down(x: torch.Tensor, down: LoRAWeights, intermediate: int, activation: str, source: str) -> None:
-    # down reads H = act(gate) * up, [..., intermediate]; a meta tensor checks that without allocating it.
-    check_group(
-        "lora_mlp",
-        ("down_proj",),
-        x.new_empty((1, intermediate), device="meta"),
-        (down,),
-        x_name=f"its input H = {activation}(gate) * up ({source} {intermediate})",
-    )
+def _lora_segments(mlp: LoRAMLP) -> list[int]:
+    """The segment index (gate, up, down or gate_up, down) of each LoRA projection, in the adapters' order."""
+    down_index = len(mlp.gate_up.shapes)
+    return [*mlp.gate_up._spec.lora, *[down_index + i for i in mlp.down._spec.lora]]
+
+
+def _legacy_needs(mlp: LoRAMLP, needs: Sequence[bool], n: int) -> list[bool]:
+    # Legacy positions: x, projections, activation, n weights, n A's, n B's.
+    return [needs[3 + n + i] or needs[3 + 2 * n + i] for i in _lora_segments(mlp)]
 
 
 def lora_mlp(
     x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights, activation: str = "silu"
 ) -> torch.Tensor:
     """A gated MLP (Llama's SwiGLU, Gemma's GeGLU) with LoRA on gate, up and down, fused (:class:`LoRAMLPFunction`).
+
+    Builds (and checks) a :class:`LoRAMLP` per call; code that calls it every step should hold the MLP instead.
 
     Args:
         x: Hidden states ``[..., hidden]`` (fp32 / fp16 / bf16); under autocast, cast to its dtype first.
@@ -157,19 +285,10 @@ def lora_mlp(
             shapes).
         TypeError: Activations or weights of an unsupported dtype.
     """
-    _gate_functions(activation)  # an unknown activation fails here, before any shape check or launch
-    check_group("lora_mlp", ("gate_proj", "up_proj"), x, (gate, up))
-    intermediate = weight_shape(gate)[0]
-    if weight_shape(up)[0] != intermediate:
-        raise ShapeContractError(
-            f"lora_mlp: up_proj must be [intermediate, hidden] = {list(weight_shape(gate))} like gate_proj, got "
-            f"{list(weight_shape(up))}; gate and up of one MLP share the intermediate size."
-        )
-    _check_down(x, down, intermediate, activation, "gate_proj's out_features")
-    dtype = compute_dtype(x)
-    projections = (gate, up, down)
-    with autocast_off(x):
-        return LoRAMLPFunction.apply(x.to(dtype), projections, activation, *function_inputs(projections))
+    gate_functions(activation)  # an unknown activation fails here, before any shape check or launch
+    if x.dtype not in FLOAT_DTYPES:
+        raise x_dtype_error("lora_mlp", x)
+    return LoRAMLP.from_projections((gate, up, down), activation)(x)
 
 
 def lora_gate_up_mlp(
@@ -193,19 +312,10 @@ def lora_gate_up_mlp(
         ShapeContractError: An odd packed width, or a weight or adapter that does not fit (named, with both shapes).
         TypeError: Activations or weights of an unsupported dtype.
     """
-    _gate_functions(activation)
-    check_group("lora_gate_up_mlp", ("gate_up_proj",), x, (gate_up,))
-    packed = weight_shape(gate_up)[0]
-    if packed % 2:
-        raise ShapeContractError(
-            f"lora_gate_up_mlp: gate_up_proj must be [2 · intermediate, hidden], got {list(weight_shape(gate_up))} "
-            "with an odd number of rows; it holds gate's rows then up's, so its out_features must be even."
-        )
-    _check_down(x, down, packed // 2, activation, "half of gate_up_proj's out_features")
-    dtype = compute_dtype(x)
-    projections = (gate_up, down)
-    with autocast_off(x):
-        return LoRAMLPFunction.apply(x.to(dtype), projections, activation, *function_inputs(projections))
+    gate_functions(activation)
+    if x.dtype not in FLOAT_DTYPES:
+        raise x_dtype_error("lora_gate_up_mlp", x)
+    return LoRAMLP.from_projections((gate_up, down), activation)(x)
 
 
-__all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_gate_up_mlp", "lora_mlp"]
+__all__ = ["ACTIVATIONS", "LoRAMLP", "LoRAMLPFunction", "lora_gate_up_mlp", "lora_mlp"]

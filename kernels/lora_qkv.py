@@ -3,61 +3,35 @@
 ``Q, K, V = X W_iᵀ + b_i + s_i (X A_iᵀ) B_iᵀ`` for i in q, k, v, over 16-bit or NF4 base weights, with an optional
 frozen bias ``b_i`` (Qwen2 / Qwen2.5 carry one on q, k and v), added in the GEMM epilogue; the widths may differ
 (GQA). Forward saves X and the small X Aᵀ (never Q, K or V); backward gathers the three ``dX`` contributions in one
-buffer and returns dA, dB per projection; the base weights get no gradient. The math is in
-:mod:`fastft.kernels.lora_projection`, the kernel in :mod:`fastft.kernels.lora_gemm`.
+buffer and returns dA, dB per projection; the base weights get no gradient. A patch holds a
+:class:`~fastft.kernels.lora_group.LoRAGroup` per layer; :func:`lora_qkv` builds one per call. The math is in
+:mod:`fastft.kernels.lora_math`, the kernel in :mod:`fastft.kernels.lora_gemm`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch.autograd.function import once_differentiable
 
-from fastft.kernels.lora_projection import (
-    LoRAWeights,
-    autocast_off,
-    check_group,
-    compute_dtype,
-    function_inputs,
-    group_backward,
-    group_forward,
-    load_group,
-    rebuild,
-    save_group,
-)
+from fastft.kernels.lora_group import FUNCTIONS, LoRAGroup, LoRAGroupFunction
+from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, x_dtype_error
 
 _NAMES = ("q_proj", "k_proj", "v_proj")
 
 
-class LoRAQKVFunction(torch.autograd.Function):
-    """Autograd node of :func:`lora_qkv`; arguments ``(x, projections, Wq, Wk, Wv, Aq, Ak, Av, Bq, Bk, Bv)``."""
+class LoRAQKVFunction(LoRAGroupFunction):
+    """Eager autograd node of a ``"lora_qkv"`` group (:func:`lora_qkv`); arguments ``(x, group, *A's, *B's)``."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, projections: tuple[LoRAWeights, ...], *tensors: Any) -> tuple[torch.Tensor, ...]:
-        projections = rebuild(projections, tensors)
-        x2d = x.reshape(-1, x.shape[-1])
-        outputs, xa = group_forward(x2d, projections, "qkv")
-        save_group(ctx, x, x2d, xa, projections)
-        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        x2d, xa, projections = load_group(ctx)
-        n = ctx.count
-        needs = ctx.needs_input_grad
-        needs_lora = [needs[2 + n + i] or needs[2 + 2 * n + i] for i in range(n)]
-        grad_x, grad_a, grad_b = group_backward(x2d, xa, projections, grads, needs[0], needs_lora)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape)
-        return (grad_x, None, *[None] * n, *grad_a, *grad_b)
+FUNCTIONS["lora_qkv"] = LoRAQKVFunction
 
 
 def lora_qkv(
     x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v projections with their LoRA adapters in one fused launch (:class:`LoRAQKVFunction`).
+
+    Builds (and checks) a :class:`~fastft.kernels.lora_group.LoRAGroup` per call; code that calls it every step
+    should hold the group instead.
 
     Args:
         x: Hidden states ``[..., hidden]`` (fp32 / fp16 / bf16). Under autocast they are cast to its dtype first.
@@ -76,11 +50,9 @@ def lora_qkv(
         TypeError: Activations, weights or biases of an unsupported dtype.
         ValueError: A base weight or bias that requires grad while autograd is on (it would get no gradient).
     """
-    projections = (q, k, v)
-    check_group("lora_qkv", _NAMES, x, projections)
-    dtype = compute_dtype(x)
-    with autocast_off(x):
-        return LoRAQKVFunction.apply(x.to(dtype), projections, *function_inputs(projections))
+    if x.dtype not in FLOAT_DTYPES:
+        raise x_dtype_error("lora_qkv", x)
+    return LoRAGroup("lora_qkv", _NAMES, (q, k, v), "qkv")(x)
 
 
 __all__ = ["LoRAQKVFunction", "lora_qkv"]

@@ -123,6 +123,30 @@ def test_the_interpreter_runs_the_triton_gemm_unless_cublas_is_forced():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_the_plan_key_changes_with_everything_choose_reads(monkeypatch):
+    x = torch.empty(5, 24)
+    key = gemm_tuner.plan_key(x)
+    assert gemm_tuner.plan_key(torch.empty(8, 24)) == key  # one bucket: M <= 8
+    assert gemm_tuner.rows_bucket(5) == 8 and gemm_tuner.rows_bucket(0) == gemm_tuner.rows_bucket(1) == 1
+    changed = [gemm_tuner.plan_key(torch.empty(9, 24)), gemm_tuner.plan_key(x.half())]
+    with force("cublas"):
+        changed.append(gemm_tuner.plan_key(x))
+    with dispatch.force_reference():
+        changed.append(gemm_tuner.plan_key(x))
+    with targets.simulate(80):
+        changed.append(gemm_tuner.plan_key(x))
+    monkeypatch.setenv(gemm_tuner.GEMM_ENV, "cublas")
+    changed.append(gemm_tuner.plan_key(x))
+    monkeypatch.delenv(gemm_tuner.GEMM_ENV)
+    monkeypatch.setenv(gemm_tuner.NF4_DEQUANT_ENV, "kernel")
+    changed.append(gemm_tuner.plan_key(x))
+    monkeypatch.delenv(gemm_tuner.NF4_DEQUANT_ENV)
+    assert gemm_tuner.plan_key(x) == key
+    gemm_tuner.reset()
+    changed.append(gemm_tuner.plan_key(x))
+    assert key not in changed and len(set(changed)) == len(changed)
+
+
 # The tuner proper, with an injected timer and static check.
 OPTIONS = [
     CUBLAS,

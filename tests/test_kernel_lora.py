@@ -1,9 +1,8 @@
-"""Fused LoRA projections (q/k/v, o, the SwiGLU MLP): outputs, dX, dA and dB against float64, dense and NF4 bases.
+"""Fused LoRA projections (q/k/v, o, the SwiGLU MLP): outputs, dX, dA and dB against float64 (NF4 bases: nf4 file).
 
 Every projection is ``Y = X Wᵀ + b + s (X Aᵀ) Bᵀ`` (the frozen bias ``b`` optional: Qwen2's q / k / v carry one);
-the float64 reference builds that expression (and
-``down(silu(gate) * up)`` for the MLP) from the same rounded inputs and lets autograd differentiate it, so the
-hand-written backward is checked against an independent derivation.
+the float64 reference builds that expression (and ``down(silu(gate) * up)`` for the MLP) from the same rounded inputs
+and lets autograd differentiate it, so the hand-written backward is checked against an independent derivation.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from fastft import ShapeContractError
 from fastft.kernels import dequantize_nf4, dispatch
 from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_mlp
 from fastft.kernels.lora_o import LoRAOFunction, lora_o
-from fastft.kernels.lora_projection import LoRAWeights, release_buffers
+from fastft.kernels.lora_projection import LoRAWeights
 from fastft.kernels.lora_qkv import LoRAQKVFunction, lora_qkv
 
 # GQA with hidden != heads · head_dim: 6 heads and 2 kv heads of head_dim 12 over a hidden size of 48.
@@ -324,91 +323,6 @@ def test_strided_rows_are_read_in_place(kernel_path, gen):
     run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
 
     assert not wide.grad[:, :8].any() and not wide.grad[:, 8 + HIDDEN :].any()
-
-
-# NF4 bases ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize(
-    ("nf4", "biases"),
-    [
-        (("params4bit-nested",) * 3, NO_BIAS),
-        # A dense k between two 4-bit ones shares no buffer slot; q and k biased, v (without LoRA) not.
-        (("params4bit-plain", "dense", "quantize_4bit"), (True, True, False)),
-    ],
-    ids=["all-nested", "mixed-bias"],
-)
-def test_lora_qkv_nf4_base(kernel_path, gen, dtype, nf4, biases):
-    projections = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), None], nf4=nf4, biases=biases)
-    x = random_tensor((2, 19, HIDDEN), dtype, gen).requires_grad_()
-
-    run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
-
-    for projection, kind in zip(projections, nf4, strict=True):
-        if kind != "dense":
-            assert projection.weight.dtype == torch.uint8 and not projection.weight.requires_grad
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-def test_lora_o_and_mlp_nf4_base(kernel_path, gen, dtype):
-    o = make_projection(HIDDEN, Q_OUT, dtype, gen, (3, 2.0), nf4="params4bit-plain")
-    x_o = random_tensor((37, Q_OUT), dtype, gen).requires_grad_()
-    run_and_compare(lora_o, o_reference, x_o, [o], dtype, gen)
-
-    mlp = mlp_projections(
-        dtype, gen, [(2, 0.5), (4, 1.0), (1, 3.0)], nf4=["quantize_4bit", "params4bit-nested", "params4bit-plain"]
-    )
-    x_mlp = random_tensor((37, HIDDEN), dtype, gen).requires_grad_()
-    run_and_compare(lora_mlp, mlp_reference, x_mlp, mlp, dtype, gen)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("order", ["qkv-o-mlp", "mlp-qkv-o"])
-def test_reused_nf4_buffer_across_groups_before_backward(kernel_path, gen, dtype, order):
-    # Every 4-bit group dequantises into the one shared buffer, in forward and again in backward. Three groups of
-    # different sizes run forward (the buffer grows, or is reused smaller) before any backward: an output or a
-    # gradient that still pointed into the buffer would read another layer's weights.
-    release_buffers()
-    nested = ("params4bit-nested",) * 3
-    qkv = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), (2, 1.0)], nf4=nested)
-    o = make_projection(HIDDEN, Q_OUT, dtype, gen, (2, 1.5), nf4="params4bit-plain")
-    mlp = mlp_projections(dtype, gen, [(2, 0.5), (3, 1.0), (1, 2.0)], nf4=nested)
-    x = random_tensor((37, HIDDEN), dtype, gen).requires_grad_()
-    projections = [*qkv, o, *mlp]
-
-    def chain(project_qkv, project_o, project_mlp, x):
-        if order == "qkv-o-mlp":
-            q, k, v = project_qkv(x)
-            y = project_mlp(project_o(q) + x)
-        else:
-            h = project_mlp(x)
-            q, k, v = project_qkv(h)
-            y = project_o(q)
-        return [q, k, v, y]
-
-    outputs = chain(lambda t: lora_qkv(t, *qkv), lambda t: lora_o(t, o), lambda t: lora_mlp(t, *mlp), x)
-    snapshots = [out.detach().clone() for out in outputs]
-    grads = [random_tensor(out.shape, dtype, gen) for out in outputs]
-    torch.autograd.backward(outputs, grads)
-
-    ref = Reference(x, projections)
-
-    def mlp64(t):
-        return ref.project(6, F.silu(ref.project(4, t)) * ref.project(5, t))
-
-    expected = chain(lambda t: tuple(ref.project(i, t) for i in range(3)), lambda t: ref.project(3, t), mlp64, ref.x)
-    torch.autograd.backward(expected, [g.double() for g in grads])
-
-    bound = TOLERANCE[dtype]
-    for out, snapshot, out64 in zip(outputs, snapshots, expected, strict=True):
-        assert torch.equal(out, snapshot)  # the later groups' dequantisation did not write into it
-        assert relative_error(out, out64) < bound
-    assert relative_error(x.grad, ref.x.grad) < bound
-    for i, projection in enumerate(projections):
-        assert projection.weight.grad is None
-        assert relative_error(projection.lora_a.grad, ref.a[i].grad) < bound, f"dA of projection {i}"
-        assert relative_error(projection.lora_b.grad, ref.b[i].grad) < bound, f"dB of projection {i}"
 
 
 # What forward keeps for backward -----------------------------------------------------------------------------------

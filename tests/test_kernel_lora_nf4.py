@@ -1,15 +1,19 @@
-"""``FASTFT_NF4_DEQUANT=kernel``: the fused LoRA GEMM decoding NF4 tiles inside its K loop (a frozen base bias in
-its epilogue), against float64 and against the default reused-buffer path."""
+"""The fused LoRA projections over NF4 bases: dequantised into the reused buffer (the default), and with
+``FASTFT_NF4_DEQUANT=kernel`` decoded inside the GEMM's K loop (a frozen base bias in its epilogue), against float64
+and against each other."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KERNEL_DTYPES, random_tensor
+import torch.nn.functional as F
+from conftest import KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
 from test_kernel_lora import (
     HIDDEN,
     NO_BIAS,
+    Q_OUT,
     QWEN2_BIAS,
+    Reference,
     make_projection,
     mlp_projections,
     mlp_reference,
@@ -19,11 +23,98 @@ from test_kernel_lora import (
     run_and_compare,
 )
 
-from fastft.kernels import dispatch
+from fastft.kernels import LoRAGroup, dispatch, gemm_tuner
 from fastft.kernels.lora_mlp import lora_mlp
 from fastft.kernels.lora_o import lora_o
-from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, nf4_dequant_mode
+from fastft.kernels.lora_projection import NF4_DEQUANT_ENV, nf4_dequant_mode, release_buffers
 from fastft.kernels.lora_qkv import lora_qkv
+
+# The reused buffer ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("nf4", "biases"),
+    [
+        (("params4bit-nested",) * 3, NO_BIAS),
+        # A dense k between two 4-bit ones shares no buffer slot; q and k biased, v (without LoRA) not.
+        (("params4bit-plain", "dense", "quantize_4bit"), (True, True, False)),
+    ],
+    ids=["all-nested", "mixed-bias"],
+)
+def test_lora_qkv_nf4_base(kernel_path, gen, dtype, nf4, biases):
+    projections = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), None], nf4=nf4, biases=biases)
+    x = random_tensor((2, 19, HIDDEN), dtype, gen).requires_grad_()
+
+    run_and_compare(lora_qkv, qkv_reference, x, projections, dtype, gen)
+
+    for projection, kind in zip(projections, nf4, strict=True):
+        if kind != "dense":
+            assert projection.weight.dtype == torch.uint8 and not projection.weight.requires_grad
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_lora_o_and_mlp_nf4_base(kernel_path, gen, dtype):
+    o = make_projection(HIDDEN, Q_OUT, dtype, gen, (3, 2.0), nf4="params4bit-plain")
+    x_o = random_tensor((37, Q_OUT), dtype, gen).requires_grad_()
+    run_and_compare(lora_o, o_reference, x_o, [o], dtype, gen)
+
+    mlp = mlp_projections(
+        dtype, gen, [(2, 0.5), (4, 1.0), (1, 3.0)], nf4=["quantize_4bit", "params4bit-nested", "params4bit-plain"]
+    )
+    x_mlp = random_tensor((37, HIDDEN), dtype, gen).requires_grad_()
+    run_and_compare(lora_mlp, mlp_reference, x_mlp, mlp, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("order", ["qkv-o-mlp", "mlp-qkv-o"])
+def test_reused_nf4_buffer_across_groups_before_backward(kernel_path, gen, dtype, order):
+    # Every 4-bit group dequantises into the one shared buffer, in forward and again in backward. Three groups of
+    # different sizes run forward (the buffer grows, or is reused smaller) before any backward: an output or a
+    # gradient that still pointed into the buffer would read another layer's weights.
+    release_buffers()
+    nested = ("params4bit-nested",) * 3
+    qkv = qkv_projections(dtype, gen, [(4, 2.0), (1, 0.5), (2, 1.0)], nf4=nested)
+    o = make_projection(HIDDEN, Q_OUT, dtype, gen, (2, 1.5), nf4="params4bit-plain")
+    mlp = mlp_projections(dtype, gen, [(2, 0.5), (3, 1.0), (1, 2.0)], nf4=nested)
+    x = random_tensor((37, HIDDEN), dtype, gen).requires_grad_()
+    projections = [*qkv, o, *mlp]
+
+    def chain(project_qkv, project_o, project_mlp, x):
+        if order == "qkv-o-mlp":
+            q, k, v = project_qkv(x)
+            y = project_mlp(project_o(q) + x)
+        else:
+            h = project_mlp(x)
+            q, k, v = project_qkv(h)
+            y = project_o(q)
+        return [q, k, v, y]
+
+    outputs = chain(lambda t: lora_qkv(t, *qkv), lambda t: lora_o(t, o), lambda t: lora_mlp(t, *mlp), x)
+    snapshots = [out.detach().clone() for out in outputs]
+    grads = [random_tensor(out.shape, dtype, gen) for out in outputs]
+    torch.autograd.backward(outputs, grads)
+
+    ref = Reference(x, projections)
+
+    def mlp64(t):
+        return ref.project(6, F.silu(ref.project(4, t)) * ref.project(5, t))
+
+    expected = chain(lambda t: tuple(ref.project(i, t) for i in range(3)), lambda t: ref.project(3, t), mlp64, ref.x)
+    torch.autograd.backward(expected, [g.double() for g in grads])
+
+    bound = TOLERANCE[dtype]
+    for out, snapshot, out64 in zip(outputs, snapshots, expected, strict=True):
+        assert torch.equal(out, snapshot)  # the later groups' dequantisation did not write into it
+        assert relative_error(out, out64) < bound
+    assert relative_error(x.grad, ref.x.grad) < bound
+    for i, projection in enumerate(projections):
+        assert projection.weight.grad is None
+        assert relative_error(projection.lora_a.grad, ref.a[i].grad) < bound, f"dA of projection {i}"
+        assert relative_error(projection.lora_b.grad, ref.b[i].grad) < bound, f"dB of projection {i}"
+
+
+# Decoded inside the GEMM ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -76,3 +167,28 @@ def test_an_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv(NF4_DEQUANT_ENV, "inline")
     with pytest.raises(ValueError, match="FASTFT_NF4_DEQUANT must be 'buffer' or 'kernel', got 'inline'"):
         nf4_dequant_mode()
+
+
+def test_one_group_follows_a_changed_decode_mode(gen, monkeypatch):
+    # A group memoises its GEMM choice; FASTFT_NF4_DEQUANT is part of the memo's key, so changing it between calls
+    # of the same group switches the path instead of keeping the old one.
+    dtype = torch.float32
+    projections = qkv_projections(dtype, gen, [(4, 2.0), None, (2, 0.5)], nf4=("params4bit-nested",) * 3)
+    group = LoRAGroup("lora_qkv", ("q_proj", "k_proj", "v_proj"), projections, "qkv")
+    x = random_tensor((37, HIDDEN), dtype, gen)
+    gemm_tuner.reset()
+    runs = []
+    for mode in ("buffer", "kernel", "buffer"):
+        monkeypatch.setenv(NF4_DEQUANT_ENV, mode)
+        with dispatch.poison_outputs(), torch.no_grad():
+            runs.append((group(x), gemm_tuner.by_group()["qkv"]))
+    (first, first_path), (decoded, decoded_path), (again, _) = runs
+    assert first_path.startswith("triton:") and decoded_path.startswith("triton-nf4:")
+    for buffered, in_kernel, repeated in zip(first, decoded, again, strict=True):
+        assert torch.allclose(buffered, in_kernel, rtol=1e-6, atol=1e-6)
+        assert torch.equal(buffered, repeated)  # back on the buffer path: the same kernel, the same bits
+    # The memoised choice is not recorded again; after a reset every group chooses (and records) afresh.
+    gemm_tuner.reset()
+    with torch.no_grad():
+        group(x)
+    assert gemm_tuner.by_group()["qkv"].startswith("triton:")

@@ -1,0 +1,479 @@
+"""The math of a fused LoRA group, shared by the eager autograd Functions and the custom ops.
+
+For every segment ``i`` of a group (q, k, v; gate, up; o; down) with frozen base ``W_i``, optional frozen bias
+``b_i``, LoRA ``A_i``, ``B_i`` and scale ``s_i``:
+
+    Y_i = X W_iᵀ + b_i + s_i (X A_iᵀ) B_iᵀ
+    dX  = Σ_i dY_i W_i + s_i (dY_i B_i) A_i
+    dA_i = s_i (dY_i B_i)ᵀ X
+    dB_i = s_i dY_iᵀ (X A_iᵀ)
+
+Forward runs one small GEMM for every segment's ``X Aᵀ`` at once (the A's stacked, cast at most once), then the base
+GEMM with the LoRA term: torch's matmul (cuBLAS; the bias through ``addmm``, the low-rank term added in place with
+``addmm_(alpha=s)``) or the fused Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever
+:func:`fastft.kernels.gemm_tuner.choose` picked. The pick is memoised in the group's :class:`Spec` under
+:func:`fastft.kernels.gemm_tuner.plan_key`, so the tuner (which builds a bucket, reads the environment and records the
+choice for ``patch_report``) runs only when that key is new. Backward gathers every ``dX`` contribution in one buffer
+with ``addmm_``; ``dA`` and ``dB`` are one ``addmm`` each with the scale as its ``alpha`` (``beta=0`` over a cached
+zero scalar: no separate scaling pass). Only ``X`` and the small ``X Aᵀ`` are kept for backward, never ``Y``.
+
+The functions take tensors as lists, so the same code serves the eager Function (tensors held by the
+:class:`~fastft.kernels.lora_group.LoRAGroup`) and the custom ops (tensors as op arguments, each NF4 quant_state
+flattened by :func:`flatten_group` and rebuilt by :func:`quant_states_from`):
+
+- ``weights``: per segment, the dense base ``[out, in]`` or the packed NF4 bytes;
+- ``quant_states``: per segment, the NF4 quant_state, or None for a dense base;
+- ``lora_a`` / ``lora_b``: the A's and B's of the segments that carry LoRA (``spec.lora``), in segment order;
+- ``biases``: per segment (None where absent), or None for a group without any.
+
+Nothing here calls ``detach``: inside an autograd Function (or below a custom op's autograd) grad mode is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastft.kernels import gemm_tuner, targets
+from fastft.kernels.compiled import usage
+from fastft.kernels.gemm_tuner import Candidate
+from fastft.kernels.lora_gemm import last_kernel, lora_gemm_triton
+from fastft.kernels.lora_gemm_nf4 import lora_gemm_nf4_triton
+from fastft.kernels.lora_projection import LoRAWeights, is_packed, quant_state_of, shared_buffer, weight_shape
+from fastft.kernels.nf4 import _resolve, dequantize_nf4
+
+# Per segment in a custom op's ``layout`` argument: out, in, rank (-1: no LoRA), has_bias, blocksize (0: dense),
+# blocksize2 (0: not double-quantised).
+LAYOUT_FIELDS = 6
+
+
+class Spec:
+    """What a group's math needs besides tensors, fixed for the group: the tuner's group name, each segment's width,
+    in_features, rank, scale and kind (dense or NF4), and the memo of GEMM choices.
+
+    Attributes:
+        group: The tuner's group (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``).
+        widths: Each segment's out_features.
+        in_features: Each segment's in_features.
+        ranks: Each segment's LoRA rank (0 without LoRA).
+        scales: Each segment's LoRA scale.
+        lora: Indices of the segments with LoRA (their A's and B's are the ``lora_a`` / ``lora_b`` lists).
+        packed: Whether each segment's base is NF4.
+        plans: ``gemm_tuner.plan_key(x) -> Candidate``, filled by :func:`forward`.
+    """
+
+    __slots__ = (
+        "all_packed",
+        "any_packed",
+        "group",
+        "in_features",
+        "lora",
+        "packed",
+        "plans",
+        "ranks",
+        "scales",
+        "widths",
+    )
+
+    def __init__(
+        self,
+        group: str,
+        widths: Sequence[int],
+        in_features: Sequence[int],
+        ranks: Sequence[int | None],
+        scales: Sequence[float],
+        packed: Sequence[bool],
+    ) -> None:
+        self.group = group
+        self.widths = tuple(int(w) for w in widths)
+        self.in_features = tuple(int(k) for k in in_features)
+        self.lora = tuple(i for i, rank in enumerate(ranks) if rank is not None)
+        self.ranks = tuple(0 if rank is None else int(rank) for rank in ranks)
+        self.scales = tuple(float(s) for s in scales)
+        self.packed = tuple(bool(p) for p in packed)
+        self.any_packed = any(self.packed)
+        self.all_packed = all(self.packed)
+        self.plans: dict[tuple, Candidate] = {}
+
+
+def spec_of(group: str, projections: Sequence[LoRAWeights]) -> Spec:
+    """The :class:`Spec` of already-checked projections."""
+    shapes = [weight_shape(p) for p in projections]
+    return Spec(
+        group,
+        [out for out, _ in shapes],
+        [k for _, k in shapes],
+        [None if p.lora_a is None else p.lora_a.shape[0] for p in projections],
+        [float(p.scale) for p in projections],
+        [is_packed(p) for p in projections],
+    )
+
+
+_zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    # The ``input`` of a beta=0 addmm: never read, broadcast to any shape; one per device and dtype.
+    key = (like.device, like.dtype)
+    zero = _zeros.get(key)
+    if zero is None:
+        zero = _zeros[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return zero
+
+
+def dense_bases(
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Every segment's base weight as a dense ``[out, in]`` in ``dtype``: a dense weight of that dtype as it is, one of
+    another dtype cast (what autocast would do), NF4 ones dequantised into the shared buffer, side by side."""
+    packed_numel = sum(o * k for state, (o, k) in zip(quant_states, shapes, strict=True) if state is not None)
+    if not packed_numel:
+        return [w if w.dtype == dtype else w.to(dtype) for w in weights]
+    buffer = shared_buffer(packed_numel, weights[0].device, dtype)
+    dense, start = [], 0
+    for weight, state, (out_features, in_features) in zip(weights, quant_states, shapes, strict=True):
+        if state is None:
+            dense.append(weight if weight.dtype == dtype else weight.to(dtype))
+            continue
+        size = out_features * in_features
+        target = buffer[start : start + size].view(out_features, in_features)
+        start += size
+        dense.append(dequantize_nf4(weight, state, dtype=dtype, out=target))
+    return dense
+
+
+def _shapes(spec: Spec, segments: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    indices = range(len(spec.widths)) if segments is None else segments
+    return [(spec.widths[i], spec.in_features[i]) for i in indices]
+
+
+def _reference(
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    # The cuBLAS path: the base GEMM (the bias through addmm's epilogue), then the low-rank term added in place.
+    outputs, start = [], 0
+    for i, weight in enumerate(weights):
+        bias = None if biases is None else biases[i]
+        out = torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+        b = lora_b[i]
+        if b is not None:
+            rank = b.shape[1]
+            # A single LoRA segment owns all of xa: no slice.
+            xa_i = xa if rank == xa.shape[1] and start == 0 else xa[:, start : start + rank]
+            out.addmm_(xa_i, b.t(), alpha=scales[i])
+            start += rank
+        outputs.append(out)
+    return outputs
+
+
+def run(
+    candidate: Candidate,
+    spec: Spec,
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    """The group's outputs through one GEMM candidate; ``lora_b`` per segment (None without LoRA), every tensor
+    already in x's dtype."""
+    if candidate.path == "cublas":
+        return _reference(
+            x2d, dense_bases(weights, quant_states, _shapes(spec), x2d.dtype), xa, lora_b, spec.scales, biases
+        )
+    # The Triton kernels index contiguous B's and biases; contiguous() is free on those that already are.
+    lora_b = [None if b is None else b.contiguous() for b in lora_b]
+    biases = None if biases is None else [None if b is None else b.contiguous() for b in biases]
+    if candidate.path == "triton-nf4":
+        return lora_gemm_nf4_triton(x2d, weights, quant_states, xa, lora_b, spec.scales, candidate.config, biases)
+    dense = [w.contiguous() for w in dense_bases(weights, quant_states, _shapes(spec), x2d.dtype)]
+    return lora_gemm_triton(x2d, dense, xa, lora_b, spec.scales, candidate.config, biases)
+
+
+def _check(candidate: Candidate, x2d: torch.Tensor) -> list[str]:
+    if candidate.path == "cublas":
+        return []
+    capability = targets.capability(x2d.device)
+    return usage(last_kernel(), capability, has_dot=True, sixteen_bit=x2d.dtype != torch.float32).problems
+
+
+def plan(
+    spec: Spec,
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor | None],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> Candidate:
+    """The GEMM candidate for this call: memoised in ``spec.plans``; :func:`gemm_tuner.choose` (which may time the
+    candidates on these very tensors, and records the choice) runs only for a new :func:`gemm_tuner.plan_key`.
+
+    A memoised choice is not recorded again when a setting returns to an earlier value; after
+    :func:`gemm_tuner.reset` (a new generation in the key) every group chooses and records afresh."""
+    key = gemm_tuner.plan_key(x2d)
+    candidate = spec.plans.get(key)
+    if candidate is None:
+
+        def run_one(option: Candidate) -> list[torch.Tensor]:
+            return run(option, spec, x2d, weights, quant_states, xa, lora_b, biases)
+
+        def check(option: Candidate) -> list[str]:
+            return _check(option, x2d)
+
+        choice = gemm_tuner.choose(spec.group, x2d, spec.widths, spec.ranks, spec.all_packed, run_one, check)
+        candidate = spec.plans[key] = choice.candidate
+    return candidate
+
+
+def forward(
+    spec: Spec,
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Forward of one group on ``x2d [M, K]``: ``(outputs, xa)``, one new contiguous ``[M, out_i]`` per segment and
+    ``xa = X [A_0; A_1; …]ᵀ`` (None without LoRA), everything in x's dtype (adapters and biases cast to it)."""
+    dtype = x2d.dtype
+    xa = None
+    per_segment_b: list[torch.Tensor | None] = [None] * len(spec.widths)
+    if spec.lora:
+        stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
+        if stacked.dtype != dtype:
+            stacked = stacked.to(dtype)
+        xa = torch.mm(x2d, stacked.t())
+        for i, b in zip(spec.lora, lora_b, strict=True):
+            per_segment_b[i] = b if b.dtype == dtype else b.to(dtype)
+    if biases is not None:
+        biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
+    candidate = plan(spec, x2d, weights, quant_states, xa, per_segment_b, biases)
+    return run(candidate, spec, x2d, weights, quant_states, xa, per_segment_b, biases), xa
+
+
+def backward(
+    spec: Spec,
+    x2d: torch.Tensor,
+    xa: torch.Tensor | None,
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    needs_x: bool,
+    needs_lora: Sequence[bool],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Backward of one group: ``(dX [M, K] or None, [dA_j], [dB_j])`` over the LoRA segments, each LoRA gradient in
+    its parameter's dtype (None where ``needs_lora[j]`` is False).
+
+    ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
+    segment without one gets zero gradients.
+    """
+    dtype = x2d.dtype
+    flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+    flat = [g if g is None or g.dtype == dtype else g.to(dtype) for g in flat]
+    grad_x = None
+    if needs_x:
+        live = [i for i, g in enumerate(flat) if g is not None]
+        if spec.any_packed:
+            states = [quant_states[i] for i in live]
+            dense = dense_bases([weights[i] for i in live], states, _shapes(spec, live), dtype)
+        else:
+            dense = [weights[i] if weights[i].dtype == dtype else weights[i].to(dtype) for i in live]
+        for i, weight in zip(live, dense, strict=True):
+            grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
+        if grad_x is None:
+            grad_x = torch.zeros_like(x2d)
+
+    grad_a: list[torch.Tensor | None] = []
+    grad_b: list[torch.Tensor | None] = []
+    start = 0
+    single = len(spec.lora) == 1
+    for j, i in enumerate(spec.lora):
+        a, b, grad, wants = lora_a[j], lora_b[j], flat[i], needs_lora[j]
+        rank = spec.ranks[i]
+        xa_i = xa if single else xa[:, start : start + rank]
+        start += rank
+        if grad is None:
+            grad_a.append(torch.zeros_like(a) if wants else None)
+            grad_b.append(torch.zeros_like(b) if wants else None)
+            continue
+        if not (wants or needs_x):
+            grad_a.append(None)
+            grad_b.append(None)
+            continue
+        scale = spec.scales[i]
+        # dY B: the factor that dA and the low-rank part of dX share.
+        dyb = torch.mm(grad, b if b.dtype == dtype else b.to(dtype))
+        if wants:
+            zero = _zero(x2d)
+            da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
+            db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
+            grad_a.append(da if da.dtype == a.dtype else da.to(a.dtype))
+            grad_b.append(db if db.dtype == b.dtype else db.to(b.dtype))
+        else:
+            grad_a.append(None)
+            grad_b.append(None)
+        if needs_x:
+            grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
+    return grad_x, grad_a, grad_b
+
+
+# Custom-op arguments ----------------------------------------------------------------------------------------------
+
+
+class _State2:
+    """The nested part of a bitsandbytes QuantState, as :mod:`fastft.kernels.nf4` reads it."""
+
+    __slots__ = ("absmax", "blocksize", "code")
+
+    def __init__(self, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> None:
+        self.absmax, self.code, self.blocksize = absmax, code, blocksize
+
+
+class QuantStateStandIn:
+    """The attributes of a bitsandbytes NF4 QuantState that :mod:`fastft.kernels.nf4` reads, rebuilt inside a custom
+    op from its tensor and int arguments (an op takes no Python objects)."""
+
+    __slots__ = ("absmax", "blocksize", "dtype", "nested", "offset", "quant_type", "shape", "state2")
+
+    def __init__(
+        self,
+        absmax: torch.Tensor,
+        shape: tuple[int, int],
+        blocksize: int,
+        offset: torch.Tensor | None,
+        state2: _State2 | None,
+    ) -> None:
+        self.absmax, self.shape, self.blocksize = absmax, torch.Size(shape), blocksize
+        self.offset, self.state2, self.nested = offset, state2, state2 is not None
+        # Checked on the real quant_state when the op's arguments were built (flatten_group).
+        self.quant_type = "nf4"
+        self.dtype = None
+
+
+def flatten_group(projections: Sequence[LoRAWeights], dtype: torch.dtype) -> dict[str, Any]:
+    """A group's tensors and layout as custom-op arguments: ``weights``, ``lora_a``, ``lora_b``, ``biases`` (only
+    those present), ``nf4`` (per NF4 segment its absmax, then, double-quantised, state2.absmax, state2.code and the
+    offset), ``layout`` (:data:`LAYOUT_FIELDS` ints per segment) and ``scales``.
+
+    Each NF4 quant_state goes through the same checks (and messages) as an eager call's dequantisation first, since
+    the op only sees the stand-in rebuilt from these arguments.
+    """
+    weights, lora_a, lora_b, biases, nf4, layout, scales = [], [], [], [], [], [], []
+    for projection in projections:
+        out_features, in_features = weight_shape(projection)
+        weights.append(projection.weight)
+        rank = -1
+        if projection.lora_a is not None:
+            lora_a.append(projection.lora_a)
+            lora_b.append(projection.lora_b)
+            rank = projection.lora_a.shape[0]
+        if projection.bias is not None:
+            biases.append(projection.bias)
+        blocksize = blocksize2 = 0
+        if is_packed(projection):
+            state = quant_state_of(projection)
+            resolved = _resolve("dequantize_nf4", projection.weight, state, dtype)
+            blocksize = int(state.blocksize)
+            nf4.append(state.absmax)
+            if resolved.nested:
+                offset = state.offset
+                if not isinstance(offset, torch.Tensor):
+                    offset = torch.tensor(float(offset), dtype=torch.float32, device=state.absmax.device)
+                nf4 += [state.state2.absmax, state.state2.code, offset]
+                blocksize2 = int(state.state2.blocksize)
+        layout += [out_features, in_features, rank, int(projection.bias is not None), blocksize, blocksize2]
+        scales.append(float(projection.scale))
+    return {
+        "weights": weights,
+        "lora_a": lora_a,
+        "lora_b": lora_b,
+        "biases": biases,
+        "nf4": nf4,
+        "layout": layout,
+        "scales": scales,
+    }
+
+
+def segments(layout: Sequence[int]) -> list[Sequence[int]]:
+    """``layout`` cut into one :data:`LAYOUT_FIELDS`-tuple per segment."""
+    return [layout[i : i + LAYOUT_FIELDS] for i in range(0, len(layout), LAYOUT_FIELDS)]
+
+
+_op_specs: dict[tuple, Spec] = {}
+
+
+def op_spec(group: str, layout: Sequence[int], scales: Sequence[float]) -> Spec:
+    """The :class:`Spec` of a custom op's group, one per (group, layout, scales): its GEMM memo outlives the call."""
+    key = (group, tuple(layout), tuple(scales))
+    spec = _op_specs.get(key)
+    if spec is None:
+        parts = segments(layout)
+        spec = _op_specs[key] = Spec(
+            group,
+            [p[0] for p in parts],
+            [p[1] for p in parts],
+            [None if p[2] < 0 else p[2] for p in parts],
+            scales,
+            [p[4] > 0 for p in parts],
+        )
+    return spec
+
+
+def quant_states_from(layout: Sequence[int], nf4: Sequence[torch.Tensor]) -> list[QuantStateStandIn | None]:
+    """Per segment the NF4 quant_state stand-in rebuilt from an op's ``layout`` and ``nf4`` arguments, or None."""
+    states: list[QuantStateStandIn | None] = []
+    position = 0
+    for out_features, in_features, _, _, blocksize, blocksize2 in segments(layout):
+        if not blocksize:
+            states.append(None)
+            continue
+        absmax = nf4[position]
+        position += 1
+        state2 = offset = None
+        if blocksize2:
+            state2 = _State2(nf4[position], nf4[position + 1], blocksize2)
+            offset = nf4[position + 2]
+            position += 3
+        states.append(QuantStateStandIn(absmax, (out_features, in_features), blocksize, offset, state2))
+    return states
+
+
+def biases_from(layout: Sequence[int], biases: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """Per segment the bias or None, from an op's ``biases`` (those present) and ``layout``; None without any."""
+    if not biases:
+        return None
+    present = iter(biases)
+    return [next(present) if part[3] else None for part in segments(layout)]
+
+
+__all__ = [
+    "LAYOUT_FIELDS",
+    "QuantStateStandIn",
+    "Spec",
+    "backward",
+    "biases_from",
+    "dense_bases",
+    "flatten_group",
+    "forward",
+    "op_spec",
+    "plan",
+    "quant_states_from",
+    "run",
+    "segments",
+    "spec_of",
+]
