@@ -38,12 +38,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
+def _layer_forward(cls: type) -> Any:
+    """The layer's own forward, beneath transformers' checkpointing wrapper where there is one (5.23 and later).
+
+    That wrapper calls the checkpointing function itself; compiled, it would have dynamo trace fastft's checkpointer.
+    ``functools.wraps`` gives the wrapper the forward's name, not its code, which keeps its own."""
+    forward = cls.forward
+    if getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
+        return forward.__wrapped__
+    return forward
+
+
 def _compiled_class(cls: type, options: dict[str, Any]) -> type:
     key = (cls, tuple(sorted(options.items())))
     with _lock:
         compiled = _classes.get(key)
         if compiled is None:
-            forward = torch.compile(cls.forward, **options)
+            forward = torch.compile(_layer_forward(cls), **options)
             compiled = type(
                 cls.__name__,
                 (cls,),

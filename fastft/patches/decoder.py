@@ -115,7 +115,7 @@ def _mlp_plan(family: Family, module: torch.nn.Module) -> tuple[Any, list[Any]]:
                 return module.down_proj(gate_kernel(module.gate_proj(x), module.up_proj(x)))
 
         return unfused, keep
-    return fused_mlp(weights, activation), keep
+    return fused_mlp(family.mlp, weights, activation), keep
 
 
 def gated_mlp_forward(family: Family) -> Callable[..., torch.Tensor]:
@@ -172,11 +172,11 @@ def _qkv_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tens
             name = family.qkv[0]
             split = list(widths)
             return lambda hidden_states: getattr(module, name)(hidden_states).split(split, dim=-1)
-        return fused_packed_qkv(weights, widths)
+        return fused_packed_qkv(family.qkv, weights, widths)
     if isinstance(weights, str):
         names = family.qkv
         return lambda hidden_states: tuple(getattr(module, name)(hidden_states) for name in names)
-    return fused_qkv(weights)
+    return fused_qkv(family.qkv, weights)
 
 
 def _o_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -184,7 +184,7 @@ def _o_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor
     if isinstance(weights, str):
         name = family.o[0]
         return lambda attn_output: getattr(module, name)(attn_output)
-    return fused_o(weights)
+    return fused_o(family.o, weights)
 
 
 class _AttentionPlan:

@@ -1,6 +1,8 @@
-"""The fused kernels a patched module's plan calls: one callable per projection group, built when the plan is made.
+"""The fused kernels a patched module's plan calls: one callable per projection group, checked when the plan is made.
 
-Interim: wraps the per-call kernel functions (each checks its weights on every call).
+Each is a :class:`~fastft.kernels.LoRAGroup` (or :class:`~fastft.kernels.LoRAMLP`) built from the group's
+:class:`~fastft.kernels.LoRAWeights`: shapes, dtypes and adapters are checked here, once, and a call checks only its
+input. A plan keeps them until a projection's stamp changes (:mod:`fastft.patches.plans`).
 """
 
 from __future__ import annotations
@@ -9,29 +11,37 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fastft.kernels import LoRAWeights, lora_gate_up_mlp, lora_mlp, lora_o, lora_packed_qkv, lora_qkv
+from fastft.kernels import LoRAGroup, LoRAMLP, LoRAWeights
 
 
-def fused_qkv(weights: Sequence[LoRAWeights]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    q, k, v = weights
-    return lambda x: lora_qkv(x, q, k, v)
+def fused_qkv(
+    names: Sequence[str], weights: Sequence[LoRAWeights]
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """q, k and v in one launch: ``run(x) -> (q, k, v)``."""
+    return LoRAGroup("lora_qkv", names, weights, "qkv")
 
 
 def fused_packed_qkv(
-    weights: Sequence[LoRAWeights], widths: tuple[int, int, int]
+    names: Sequence[str], weights: Sequence[LoRAWeights], widths: tuple[int, int, int]
 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    (qkv,) = weights
-    return lambda x: lora_packed_qkv(x, qkv, widths)
+    """A packed q | k | v projection (Phi-3), split at ``widths``: ``run(x) -> (q, k, v)``."""
+    return LoRAGroup("lora_packed_qkv", names, weights, "qkv", split=widths)
 
 
-def fused_o(weights: Sequence[LoRAWeights]) -> Callable[[torch.Tensor], torch.Tensor]:
-    (o,) = weights
-    return lambda x: lora_o(x, o)
+def fused_o(names: Sequence[str], weights: Sequence[LoRAWeights]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output projection: ``run(x) -> y``."""
+    group = LoRAGroup("lora_o", names, weights, "o")
+    return lambda x: group(x)[0]
 
 
-def fused_mlp(weights: Sequence[LoRAWeights], activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if len(weights) == 2:
-        gate_up, down = weights
-        return lambda x: lora_gate_up_mlp(x, gate_up, down, activation=activation)
-    gate, up, down = weights
-    return lambda x: lora_mlp(x, gate, up, down, activation=activation)
+def fused_mlp(
+    names: Sequence[str], weights: Sequence[LoRAWeights], activation: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated MLP over (gate, up, down) or a packed (gate_up, down): ``run(x) -> y``."""
+    *gate_up, down = weights
+    function = "lora_mlp" if len(gate_up) == 2 else "lora_gate_up_mlp"
+    return LoRAMLP(
+        LoRAGroup(function, names[:-1], gate_up, "gate_up"),
+        LoRAGroup(function, names[-1:], (down,), "down"),
+        activation,
+    )

@@ -1,0 +1,122 @@
+"""torch.compile sees through fastft: a patched decoder layer of every family traces as one graph (fastft's kernels are
+custom ops), regional compilation shares one compiled layer among all layers, and compiled training gives the eager
+loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import relative_error
+from parity import FAMILIES, GRAD_TOLERANCE, LOSS_TOLERANCE, lora_model, loss_and_grads, make_batch, save_family
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from fastft import FastModel
+from fastft.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
+
+pytestmark = pytest.mark.lane
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, smol_tokenizer) -> tuple[str, str]:
+    folder = tmp_path_factory.mktemp(f"compile-{request.param}")
+    return request.param, save_family(folder, request.param, smol_tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layer_call(model, batch) -> tuple[torch.nn.Module, tuple, dict]:
+    """Decoder layer 0 and the arguments the model hands it on this batch."""
+    layer = decoder_layers(model)[0]
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen.setdefault("call", (args, dict(kwargs)))
+
+    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        handle.remove()
+    args, kwargs = seen["call"]
+    return layer, args, kwargs
+
+
+@pytest.mark.parametrize("patch", [True, False], ids=["fastft", "stock"])
+def test_a_patched_decoder_layer_has_no_graph_break(family, patch):
+    name, folder = family
+    model = lora_model(folder, patch=patch, checkpointing=False)
+    batch = make_batch(model.config.vocab_size, batch=2, seq=9, pad=2)
+    layer, args, kwargs = _layer_call(model, batch)
+    hidden = args[0].detach().requires_grad_(True) if args else kwargs["hidden_states"]
+    call_args = (hidden, *args[1:]) if args else ()
+    explanation = torch._dynamo.explain(layer)(*call_args, **kwargs)
+    assert explanation.graph_break_count == 0, (name, [str(reason) for reason in explanation.break_reasons])
+    assert explanation.graph_count == 1
+    if patch:
+        ops = {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes}
+        assert any("fastft." in op for op in ops), f"{name}: no fastft custom op in the traced layer: {sorted(ops)}"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"], ids=["no-ckpt", "recompute", "offload"])
+def test_regional_compile_matches_eager(family, checkpointing):
+    """Loss and every LoRA gradient of the compiled model equal eager's within fp32 rounding; the decoder layers share
+    one compiled graph per kind of layer (Gemma 3's sliding and full layers are two kinds)."""
+    name, folder = family
+    eager = lora_model(folder, patch=True, checkpointing=checkpointing)
+    compiled = lora_model(folder, patch=True, checkpointing=checkpointing)
+    counter = CompileCounterWithBackend("aot_eager")
+    assert compile_layers(compiled, backend=counter) == compiled.config.num_hidden_layers
+    batch = make_batch(eager.config.vocab_size, batch=2, seq=11, pad=3)
+    loss, grads = loss_and_grads(eager, batch)
+    for _ in range(2):  # the second step runs the graphs the first one compiled
+        compiled_loss, compiled_grads = loss_and_grads(compiled, batch)
+        assert relative_error(compiled_loss, loss) <= LOSS_TOLERANCE, (compiled_loss.item(), loss.item())
+        assert compiled_grads.keys() == grads.keys()
+        for key, grad in compiled_grads.items():
+            assert relative_error(grad, grads[key]) <= GRAD_TOLERANCE, key
+    # One graph per kind of layer, one more for the first layer, whose input (the frozen embeddings' output) needs no
+    # gradient, and under checkpointing the forward without grad beside the recompute with it; never one per layer.
+    layer_kinds = len(set(getattr(compiled.config, "layer_types", None) or ["full"]))
+    bound = layer_kinds * (2 if checkpointing else 1) + 1
+    assert 1 <= counter.frame_count <= bound, f"{name}: {counter.frame_count} compiled frames"
+
+
+def test_regional_compile_shares_one_graph_among_layers(tmp_path_factory, smol_tokenizer):
+    """Eight layers, two graphs: the first layer's (its input needs no gradient) and the one the other seven share."""
+    from conftest import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path_factory, smol_tokenizer, name="deep-llama", num_hidden_layers=8)
+    model = lora_model(str(folder), patch=True, checkpointing=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_layers(model, backend=counter)
+    batch = make_batch(model.config.vocab_size, batch=1, seq=7)
+    for _ in range(2):
+        loss_and_grads(model, batch)
+    assert counter.frame_count == 2
+
+
+def test_compile_switch_of_get_peft_model(tiny_llama_dir):
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False, compile=True)
+    layers = model.config.num_hidden_layers
+    assert compiled_layers(model) == layers
+    ids = torch.arange(1, 9).unsqueeze(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    # The compiled layers save and reload as plain transformers / peft objects.
+    assert type(decoder_layers(model)[0]).__name__ == "LlamaDecoderLayer"
+    assert uncompile_layers(model) == layers and compiled_layers(model) == 0
+
+
+def test_compile_switch_refuses_a_non_bool(tiny_llama_dir):
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    with pytest.raises(ValueError, match="compile must be True"):
+        FastModel.get_peft_model(model, r=8, compile="yes")
