@@ -52,19 +52,26 @@ INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
 _state = threading.local()
 
 
-# The switch is read at call time (tests and users flip it inside a process), on every kernel call: os.environ.get
+# Switches are read at call time (tests and users flip them inside a process), on every kernel call: os.environ.get
 # re-encodes the key and decodes the value (about 0.5 µs); the mapping os.environ keeps underneath, a plain dict,
 # answers the same question in a lookup.
-_DISABLE = "FASTFT_DISABLE_TRITON"
 _ENVIRON = getattr(os.environ, "_data", None)
-_DISABLE_KEY = os.environ.encodekey(_DISABLE) if _ENVIRON is not None else _DISABLE
-_ONE = os.environ.encodevalue("1") if _ENVIRON is not None else "1"
+_KEYS: dict[str, object] = {}
+
+
+def environment(name: str) -> str | None:
+    """``os.environ.get(name)``, read now, at the cost of a dict lookup."""
+    if _ENVIRON is None:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.environ.encodekey(name)
+    value = _ENVIRON.get(key)
+    return None if value is None else os.environ.decodevalue(value)
 
 
 def _disabled_by_environment() -> bool:
-    if _ENVIRON is None:
-        return os.environ.get(_DISABLE, "0") == "1"
-    return _ENVIRON.get(_DISABLE_KEY) == _ONE
+    return environment("FASTFT_DISABLE_TRITON") == "1"
 
 
 def _forced_reference() -> bool:
@@ -133,6 +140,7 @@ def mark_overwritten(*tensors: torch.Tensor) -> None:
 
 __all__ = [
     "HAS_TRITON",
+    "environment",
     "INTERPRETED",
     "empty",
     "empty_like",

@@ -328,7 +328,6 @@ def plan_key(x: torch.Tensor) -> tuple:
     ``FASTFT_NF4_DEQUANT``, the simulated target and :func:`reset`'s generation. Two calls with equal keys get the
     same choice, so a group memoises it under this key (invalid settings are not validated here: :func:`choose`
     raises on them before anything is memoised)."""
-    environ = os.environ
     return (
         rows_bucket(x.shape[0]),
         x.dtype,
@@ -336,8 +335,8 @@ def plan_key(x: torch.Tensor) -> tuple:
         dispatch.use_triton(x),
         getattr(_state, "mode", None),
         getattr(_state, "pinned", None),
-        environ.get(GEMM_ENV),
-        environ.get(NF4_DEQUANT_ENV),
+        dispatch.environment(GEMM_ENV),
+        dispatch.environment(NF4_DEQUANT_ENV),
         targets.simulated(),
         _generation,
     )
