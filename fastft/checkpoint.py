@@ -1,36 +1,41 @@
-"""Gradient checkpointing for fastft models: the modes, and fastft's offloaded checkpointer.
+"""Gradient checkpointing for fastft models: the modes, and how fastft's checkpointer is put in place.
 
-``use_gradient_checkpointing`` takes ``False`` (off), ``True`` (transformers' own recompute checkpointing),
-``"offload"`` (alias ``"unsloth"``) or ``"sqrt"``. In ``"offload"`` each decoder layer runs its forward without
-keeping its activations; its input is parked in pinned host memory (:mod:`fastft.offload`), except the last
-layer's, which the backward needs first. The backward brings the input back (the input of the layer before is
-already on its way while this one recomputes), recomputes the layer under the RNG and autocast state of its forward,
-so dropout draws the same masks, and passes the gradients on. On CPU the input stays where it is: plain recompute
-checkpointing, the same API and the same gradients. In ``"sqrt"`` the same checkpointer keeps the input of one layer
-in every ``ceil(sqrt(L))`` and replays the others from it in backward (:mod:`fastft.replay`): about ``2 sqrt(L)``
-layer inputs instead of ``L``, on the device, for one more forward of the decoder.
+``use_gradient_checkpointing`` takes:
 
-The checkpointer plugs into transformers' own entry point: every ``GradientCheckpointingLayer`` calls
-``self._gradient_checkpointing_func(layer_call, *args)`` when checkpointing is on, and that attribute is set per
-module instance, so nothing outside the model changes. The registry record ``checkpoint.offload`` holds the
-transformers versions this was tested on.
+- ``False`` (off): every activation is kept.
+- ``True`` (``"recompute"``): each decoder layer runs its forward without keeping its activations and keeps only its
+  input, on the device; the backward recomputes the layer from it on the same fused path, under the RNG and autocast
+  state of its forward (so dropout draws the same masks), and passes the gradients on.
+- ``"offload"`` (alias ``"unsloth"``): the same, with each layer's input parked in pinned host memory
+  (:mod:`fastft.offload`), except the last layer's, which the backward needs first. The backward brings the input back
+  (the input of the layer before is already on its way while this one recomputes). Each parked input crosses once
+  each way per step, on a side stream. On CPU the input stays where it is: the same as ``True``.
+- ``"sqrt"``: the first layer of every ``ceil(sqrt(L))`` keeps its input on the device and the others are replayed
+  from it in backward (:mod:`fastft.replay`): about ``2 sqrt(L)`` layer inputs instead of ``L``, for one more forward
+  of the decoder.
+- ``"sqrt-offload"``: ``"sqrt"`` with the kept inputs parked in pinned host memory as under ``"offload"`` (the last
+  segment's stays on the device, its backward comes first); the replayed ones stay replayed. The device then holds
+  one segment's inputs at a time and the host ``L / ceil(sqrt(L))``, for ``2 L / ceil(sqrt(L))`` copies per step
+  instead of ``2 (L - 1)``. On CPU: the same as ``"sqrt"``.
+
+All but ``False`` run on fastft's checkpointer (:mod:`fastft.checkpoint_layer`), which plugs into transformers' own
+entry point: every ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(layer_call, *args)`` when
+checkpointing is on, and that attribute is set per module instance, so nothing outside the model changes. The
+registry record ``checkpoint.offload`` holds the transformers versions this was tested on; where it does not apply,
+every mode runs transformers' own recompute checkpointing (``torch.utils.checkpoint``), and the modes other than
+``True`` say so in one warning.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from fastft.offload import OffloadEngine, ParkedTensor
+from fastft.checkpoint_layer import LayerCheckpoint
+from fastft.offload import OffloadEngine
 from fastft.registry import PatchRecord, patch_report, register
-from fastft.replay import ReplayedInput, Segment, segment_length
+from fastft.replay import segment_length
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,17 @@ _MODE_ATTR = "_fastft_checkpointing"
 _ORIGINAL_ATTR = "_fastft_checkpointing_original"
 _ENGINE_ATTR = "_fastft_offload_engine"
 _WARNED_ATTR = "_fastft_offload_warned"
-_ALIASES = {False: None, None: None, True: "recompute", "offload": "offload", "unsloth": "offload", "sqrt": "sqrt"}
+_ALIASES = {
+    False: None,
+    None: None,
+    True: "recompute",
+    "recompute": "recompute",
+    "offload": "offload",
+    "unsloth": "offload",
+    "sqrt": "sqrt",
+    "sqrt-offload": "sqrt-offload",
+}
+MODES = ("recompute", "offload", "sqrt", "sqrt-offload")
 PATCH_NAME = "checkpoint.offload"
 
 
@@ -46,11 +61,11 @@ def resolve_mode(value: bool | str | None) -> str | None:
     """Normalise a ``use_gradient_checkpointing`` value.
 
     Args:
-        value: ``False``/``None`` (off), ``True`` (recompute), ``"offload"`` or its alias ``"unsloth"``, or
-            ``"sqrt"``.
+        value: ``False``/``None`` (off), ``True`` or ``"recompute"``, ``"offload"`` or its alias ``"unsloth"``,
+            ``"sqrt"``, or ``"sqrt-offload"`` (any case).
 
     Returns:
-        ``None``, ``"recompute"``, ``"offload"`` or ``"sqrt"``.
+        ``None`` or one of :data:`MODES`: ``"recompute"``, ``"offload"``, ``"sqrt"``, ``"sqrt-offload"``.
 
     Raises:
         ValueError: Any other value.
@@ -60,7 +75,7 @@ def resolve_mode(value: bool | str | None) -> str | None:
         return _ALIASES[key]
     raise ValueError(
         f"fastft.get_peft_model: use_gradient_checkpointing={value!r} is not a mode; "
-        "use False, True, 'offload' or 'unsloth' (an alias of 'offload'), or 'sqrt'."
+        "use False, True (or 'recompute'), 'offload' or 'unsloth' (an alias of 'offload'), 'sqrt', or 'sqrt-offload'."
     )
 
 
@@ -131,13 +146,18 @@ def _apply(model: torch.nn.Module, mode: str | None) -> None:
     if mode is None:
         suspend(model)
         return
+    hooked = _input_grad_hooks(model)
     # Non-reentrant checkpointing needs no requires_grad on the (frozen) embedding output.
     getattr(model, _ORIGINAL_ATTR)({"use_reentrant": False})
-    if mode == "recompute":
-        return
     engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is not None and hooked is not None and _input_grad_hooks(model) - hooked:
+        # transformers' enable call made the embedding output require grad (reentrant checkpointing needs that).
+        # fastft's checkpointer ties the layer's trainable parameters into its node instead, so that would only make
+        # the first layer compute an input gradient nobody reads; undo what that call added, not a hook set before.
+        model.disable_input_require_grads()
     if engine is None:
-        if not getattr(model, _WARNED_ATTR, False):
+        # True asked for transformers' recompute checkpointing, which is what runs: nothing to warn about.
+        if mode != "recompute" and not getattr(model, _WARNED_ATTR, False):
             setattr(model, _WARNED_ATTR, True)
             logger.warning(
                 "fastft: use_gradient_checkpointing=%r runs transformers' recompute checkpointing on this "
@@ -146,7 +166,19 @@ def _apply(model: torch.nn.Module, mode: str | None) -> None:
                 _why_not_hooked(model),
             )
         return
-    install(model, engine, replay=mode == "sqrt")
+    install(model, engine, mode)
+
+
+def _input_grad_hooks(model: torch.nn.Module) -> set[int] | None:
+    """The ids of the forward hooks on the model's input embeddings (``None``: it has none to look at)."""
+    if not (hasattr(model, "get_input_embeddings") and hasattr(model, "disable_input_require_grads")):
+        return None
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:
+        # transformers' documented answer of a model without input embeddings: nothing there to undo.
+        return None
+    return set(embeddings._forward_hooks) if isinstance(embeddings, torch.nn.Module) else None
 
 
 def _why_not_hooked(model: torch.nn.Module) -> str:
@@ -182,298 +214,45 @@ def resume(model: torch.nn.Module) -> None:
         _apply(model, get_mode(model))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The offloaded checkpointer.
-
-_Path = tuple[str, "int | None"]
-
-
-def _flatten(outputs: Any, owner: str) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
-    """The tensors of a layer's output, and how to put outputs of the same structure back together."""
-    if isinstance(outputs, torch.Tensor):
-        return [outputs], lambda flat: flat[0]
-    if isinstance(outputs, tuple):
-        positions = [index for index, item in enumerate(outputs) if isinstance(item, torch.Tensor)]
-        # The template keeps the non-tensor items only, so holding it keeps no activation alive.
-        template = [None if isinstance(item, torch.Tensor) else item for item in outputs]
-
-        def rebuild(flat: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-            items = list(template)
-            for position, tensor in zip(positions, flat, strict=True):
-                items[position] = tensor
-            return tuple(items)
-
-        return [outputs[index] for index in positions], rebuild
-    raise TypeError(
-        f"fastft offloaded checkpointing: {owner} returned a {type(outputs).__name__}; it checkpoints layers that "
-        "return a tensor or a tuple. Use use_gradient_checkpointing=True for this model."
-    )
-
-
-def _grad_keyword_paths(function: Callable[..., Any]) -> list[_Path]:
-    """Where the keyword arguments bound into ``function`` hold tensors that need a gradient."""
-    keywords = function.keywords if isinstance(function, functools.partial) else {}
-    paths: list[_Path] = []
-    for key, value in keywords.items():
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            paths.append((key, None))
-        elif isinstance(value, (tuple, list)):
-            paths += [
-                (key, index)
-                for index, item in enumerate(value)
-                if isinstance(item, torch.Tensor) and item.requires_grad
-            ]
-    return paths
-
-
-def _keyword(function: functools.partial, path: _Path) -> torch.Tensor:
-    key, index = path
-    value = function.keywords[key]
-    return value if index is None else value[index]
-
-
-def _with_keywords(function: Callable[..., Any], replacements: dict[_Path, torch.Tensor]) -> Callable[..., Any]:
-    if not replacements:
-        return function
-    keywords = dict(function.keywords)
-    for (key, index), tensor in replacements.items():
-        if index is None:
-            keywords[key] = tensor
-        else:
-            items = list(keywords[key])
-            items[index] = tensor
-            keywords[key] = type(keywords[key])(items)
-    return functools.partial(function.func, *function.args, **keywords)
-
-
-class _LayerCall:
-    """One checkpointed call of one layer: what its backward needs to run the layer again."""
-
-    def __init__(
-        self,
-        owner: str,
-        function: Callable[..., Any],
-        args: tuple[Any, ...],
-        slot: int,
-        engine: OffloadEngine,
-        offload: bool,
-        parameters: list[torch.nn.Parameter],
-        keyword_paths: list[_Path],
-    ) -> None:
-        self.owner, self.function, self.slot, self.engine = owner, function, slot, engine
-        self.parameters, self.keyword_paths = parameters, keyword_paths
-        self.positions = [index for index, item in enumerate(args) if isinstance(item, torch.Tensor)]
-        tensors = [args[index] for index in self.positions]
-        # The argument list without its tensors: the tensors are saved (or parked) by the autograd node.
-        self.template = [None if isinstance(item, torch.Tensor) else item for item in args]
-        self.needs_grad = [tensor.requires_grad for tensor in tensors]
-        self.offload = offload and bool(tensors) and all(engine.parks(tensor) for tensor in tensors)
-        self.parked: list[weakref.ref] = []
-        self.pending: list[ParkedTensor] = []
-        self.previous: Any = None
-        self.rebuild: Callable[[Sequence[torch.Tensor]], Any] | None = None
-        # Captured before the forward runs, so the recompute draws the same dropout masks.
-        self.cpu_rng = torch.get_rng_state()
-        cuda_devices = sorted({tensor.device.index or 0 for tensor in tensors if tensor.device.type == "cuda"})
-        self.cuda_rng = {index: torch.cuda.get_rng_state(index) for index in cuda_devices}
-        device_types = {"cpu"} | {tensor.device.type for tensor in tensors}
-        self.autocast = [
-            {
-                "device_type": device_type,
-                "enabled": torch.is_autocast_enabled(device_type),
-                "dtype": torch.get_autocast_dtype(device_type),
-                "cache_enabled": torch.is_autocast_cache_enabled(),
-            }
-            for device_type in sorted(device_types)
-        ]
-
-    def park(self, tensor: torch.Tensor) -> ParkedTensor:
-        """Pack hook for the inputs the node saves: their host copies, started before the layer ran.
-
-        Autograd holds what this returns as the saved value and drops it when the graph is freed or, without
-        ``retain_graph``, right after the node's backward; the host buffer goes back to the pool then.
-        """
-        parked = self.pending.pop(0) if self.pending else None
-        if parked is None or (parked.shape, parked.dtype, parked.device) != (tensor.shape, tensor.dtype, tensor.device):
-            parked = self.engine.park(self.slot, tensor)
-        self.parked.append(weakref.ref(parked))
-        return parked
-
-    def prefetch(self) -> None:
-        """Start bringing this call's parked inputs back (its backward runs soon)."""
-        for reference in self.parked:
-            parked = reference()
-            if parked is not None:
-                parked.prefetch()
-
-    def arguments(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
-        items = list(self.template)
-        for position, tensor in zip(self.positions, tensors, strict=True):
-            items[position] = tensor
-        return items
-
-    def replay(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The layer's first output from ``tensor`` as its only positional input, as the forward computed it."""
-        with torch.no_grad(), self.replayed_state():
-            outputs = self.function(*self.arguments([tensor]))
-        return _flatten(outputs, self.owner)[0][0]
-
-    @contextlib.contextmanager
-    def replayed_state(self) -> Iterator[None]:
-        """The RNG and autocast state of the forward, for the recompute; the caller's RNG is left as it was."""
-        with torch.random.fork_rng(devices=list(self.cuda_rng)), contextlib.ExitStack() as stack:
-            torch.set_rng_state(self.cpu_rng)
-            for index, state in self.cuda_rng.items():
-                torch.cuda.set_rng_state(state, index)
-            for settings in self.autocast:
-                stack.enter_context(torch.autocast(**settings))
-            yield
-
-
-class _CheckpointedLayer(torch.autograd.Function):
-    """Runs a layer without keeping its activations; the backward recomputes it from the saved (or parked) input.
-
-    The inputs after ``call`` are the layer's positional tensors, the keyword tensors that need a gradient, and the
-    layer's trainable parameters, so their gradients return through autograd as for any other op (and reach
-    ``AccumulateGrad`` and any hooks on it once).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, call: _LayerCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.call = call
-        inputs = tensors[: len(call.positions)]
-        if call.offload:
-            # Queued before the layer's kernels, so the copy to host overlaps them.
-            call.pending = [call.engine.park(call.slot, tensor) for tensor in inputs]
-        outputs = call.function(*call.arguments(inputs))
-        flat, call.rebuild = _flatten(outputs, call.owner)
-        call.previous = call.engine.follow(call.slot, call)
-        # Packed by the caller's hooks, or parked in host memory by call.park (LayerCheckpoint.__call__).
-        ctx.save_for_backward(*inputs)
-        ctx.mark_non_differentiable(*[tensor for tensor in flat if not tensor.is_floating_point()])
-        return tuple(flat)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: _LayerCall = ctx.call
-        inputs = ctx.saved_tensors
-        previous = call.previous() if call.previous is not None else None
-        if previous is not None:
-            # The layer before runs its backward next; its input copies in while this one recomputes.
-            previous.prefetch()
-        leaves = [tensor.detach().requires_grad_(needs) for tensor, needs in zip(inputs, call.needs_grad, strict=True)]
-        keyword_leaves = {
-            path: _keyword(call.function, path).detach().requires_grad_(True) for path in call.keyword_paths
-        }
-        function = _with_keywords(call.function, keyword_leaves)
-        with torch.enable_grad(), call.replayed_state():
-            outputs = function(*call.arguments(leaves))
-        flat, _ = _flatten(outputs, call.owner)
-        pairs = [(out, grad) for out, grad in zip(flat, grads, strict=True) if grad is not None and out.requires_grad]
-        targets = [leaf for leaf in leaves if leaf.requires_grad] + list(keyword_leaves.values()) + call.parameters
-        found: Sequence[torch.Tensor | None] = [None] * len(targets)
-        if pairs and targets:
-            found = torch.autograd.grad(
-                [out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True
-            )
-        remaining = iter(found)
-        input_grads = [next(remaining) if needs else None for needs in call.needs_grad]
-        return (None, *input_grads, *remaining)
-
-
-class LayerCheckpoint:
-    """fastft's ``_gradient_checkpointing_func`` for one decoder layer (see the module docstring).
-
-    transformers calls it as ``func(layer_call, *args)``, where ``layer_call`` runs the layer with its keyword
-    arguments bound.
-
-    Args:
-        layer: The decoder layer; its trainable parameters get their gradients through the checkpoint.
-        slot: The layer's position among the checkpointed layers.
-        engine: The model's :class:`~fastft.offload.OffloadEngine`.
-        keep_on_device: Keep the input on its device (the last layer: its backward comes first).
-        segment: Layers per replay segment (``"sqrt"``: :mod:`fastft.replay`); 0 keeps every input.
-    """
-
-    def __init__(
-        self, layer: torch.nn.Module, slot: int, engine: OffloadEngine, keep_on_device: bool, segment: int = 0
-    ) -> None:
-        self.layer, self.slot, self.engine, self.keep_on_device = layer, slot, engine, keep_on_device
-        self.segment = segment
-
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            function = functools.partial(function, **kwargs)
-        parameters = [parameter for parameter in self.layer.parameters() if parameter.requires_grad]
-        tensors = [item for item in args if isinstance(item, torch.Tensor)]
-        keyword_paths = _grad_keyword_paths(function)
-        needs_graph = parameters or keyword_paths or any(tensor.requires_grad for tensor in tensors)
-        if not (torch.is_grad_enabled() and needs_graph):
-            return function(*args)
-        owner = f"{type(self.layer).__name__} {self.slot}"
-        call = _LayerCall(
-            owner, function, args, self.slot, self.engine, not self.keep_on_device, parameters, keyword_paths
-        )
-        keyword_tensors = [_keyword(function, path) for path in keyword_paths]
-        joined = self.engine.chain.join(tensors[0], call, self.segment) if self.segment and len(tensors) == 1 else None
-        if joined is not None:
-            hooks = torch.autograd.graph.saved_tensors_hooks(_replayed_pack(tensors[0], *joined), ReplayedInput.take)
-        elif call.offload:
-            hooks = torch.autograd.graph.saved_tensors_hooks(call.park, ParkedTensor.take)
-        else:
-            hooks = contextlib.nullcontext()
-        with hooks:
-            flat = _CheckpointedLayer.apply(call, *tensors, *keyword_tensors, *parameters)
-        if self.segment:
-            if len(tensors) == 1 and flat:
-                self.engine.chain.follow(tensors[0], call, flat[0], None if joined is None else joined[0])
-            else:
-                self.engine.chain.clear()
-        return call.rebuild(flat)
-
-    def __repr__(self) -> str:
-        return f"LayerCheckpoint(slot={self.slot}, keep_on_device={self.keep_on_device}, segment={self.segment})"
-
-
-def _replayed_pack(expected: torch.Tensor, segment: Segment, index: int) -> Callable[[torch.Tensor], Any]:
-    # autograd keeps the pack hook as long as the saved value: it must not hold the input it stands in for.
-    address, shape = expected.data_ptr(), expected.shape
-
-    def pack(tensor: torch.Tensor) -> Any:
-        # The node saves only the layer's input; anything else would be kept as it is.
-        if tensor.data_ptr() == address and tensor.shape == shape:
-            return ReplayedInput(segment, index, tensor)
-        return tensor
-
-    return pack
-
-
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def install(model: torch.nn.Module, engine: OffloadEngine, replay: bool = False) -> int:
+def install(model: torch.nn.Module, engine: OffloadEngine, mode: str = "offload") -> int:
     """Give every checkpointed decoder layer of ``model`` its :class:`LayerCheckpoint`; returns how many.
 
-    Called after transformers' own enable call, which set the stock function on each layer.
+    Called after transformers' own enable call, which set the stock function on each layer (and left out the layers
+    its ``every_n_layers`` skips).
 
     Args:
         model: The transformers model.
         engine: Its offload engine.
-        replay: ``"sqrt"``: keep the inputs on the device, one per segment, and replay the rest (no offload).
+        mode: One of :data:`MODES`.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`MODES`.
     """
+    if mode not in MODES:
+        raise ValueError(f"fastft.checkpoint.install: mode={mode!r}; expected one of {MODES} (see resolve_mode).")
     layers = [layer for layer in _checkpointed_layers(model) if getattr(layer, "gradient_checkpointing", False)]
-    last = len(layers) - 1
-    segment = segment_length(len(layers)) if replay else 0
+    count = len(layers)
+    segment = segment_length(count) if mode in ("sqrt", "sqrt-offload") else 0
+    if mode == "offload":
+        # The last layer's backward comes first: a copy of its input would have nothing to overlap.
+        parked = range(count - 1)
+    elif mode == "sqrt-offload":
+        # Likewise the last segment's kept input, which its backward replays from at once.
+        parked = range(((count - 1) // segment) * segment if count else 0)
+    else:
+        parked = range(0)
     engine.chain.clear()
     for slot, layer in enumerate(layers):
         layer._gradient_checkpointing_func = LayerCheckpoint(
-            layer, slot, engine, keep_on_device=replay or slot == last, segment=segment
+            layer, slot, engine, keep_on_device=slot not in parked, segment=segment
         )
-    return len(layers)
+    return count
 
 
 def engine_of(model: torch.nn.Module) -> OffloadEngine | None:

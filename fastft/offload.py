@@ -149,12 +149,22 @@ class ParkedTensor:
         self._fetched = fetched
 
     def take(self) -> torch.Tensor:
-        """The tensor on its device, ready to be read on the current stream."""
+        """The tensor on its device, ready to be read on the current stream (unpack hook: the owner's backward)."""
+        tensor = self.borrow()
+        self._fetched = None
+        return tensor
+
+    def borrow(self) -> torch.Tensor:
+        """The tensor on its device, ready on the current stream, and kept for the :meth:`take` that follows.
+
+        A ``"sqrt-offload"`` segment replays its layers from a kept input before that input's own layer runs its
+        backward; borrowing lets both read one copy.
+        """
         self.prefetch()
         if self._ready is not None:
             self._ops.current(self.device).wait_event(self._ready)
-        tensor, self._fetched, self._ready = self._fetched, None, None
-        return tensor
+            self._ready = None
+        return self._fetched
 
     def __del__(self) -> None:
         host, self._host = getattr(self, "_host", None), None

@@ -10,6 +10,11 @@ about ``L / k`` inputs plus ``k`` of one segment at a time instead of ``L``, for
 A layer joins the segment of the layer before it only when its input is that layer's output tensor itself (the
 decoder loop passed it on unchanged) and it takes no other positional tensor; anything else starts a new segment, so
 a model whose loop does more between layers keeps more inputs but never replays a wrong one.
+
+Under ``"sqrt-offload"`` a segment's kept input is parked in host memory (:class:`fastft.offload.ParkedTensor`)
+instead of staying on the device. The segment then holds the parked copy, starts bringing it back while the segment
+above runs its backward (:meth:`Segment.prefetch`), and borrows it for the replay; the first layer's own backward
+takes the same device copy, so each kept input crosses to the host and back once per backward.
 """
 
 from __future__ import annotations
@@ -27,19 +32,40 @@ class Replayable(Protocol):
     def replay(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
+class Parked(Protocol):
+    """A kept input that lives off the device between forward and backward (:class:`fastft.offload.ParkedTensor`)."""
+
+    def prefetch(self) -> None: ...
+
+    def borrow(self) -> torch.Tensor: ...
+
+
 def segment_length(layers: int) -> int:
     """Layers per segment for ``layers`` checkpointed layers: ``ceil(sqrt(layers))`` (1 for one layer)."""
     return max(1, math.ceil(math.sqrt(layers)))
 
 
 class Segment:
-    """The kept input of a segment's first layer, the segment's calls in order, and the inputs replayed so far."""
+    """The kept input of a segment's first layer, the segment's calls in order, and the inputs replayed so far.
 
-    def __init__(self, first: torch.Tensor, call: Replayable) -> None:
+    Args:
+        first: The first layer's input: the tensor itself, or its parked copy (``"sqrt-offload"``).
+        call: The first layer's call.
+    """
+
+    def __init__(self, first: torch.Tensor | Parked, call: Replayable) -> None:
         self.first = first
         self.calls: list[Replayable] = [call]
         self._cache: dict[int, torch.Tensor] = {}
         self.replays = 0
+
+    def prefetch(self) -> None:
+        """Start bringing a parked kept input back (the segment's backward is next); nothing for a kept tensor."""
+        if not isinstance(self.first, torch.Tensor):
+            self.first.prefetch()
+
+    def _first_input(self) -> torch.Tensor:
+        return self.first if isinstance(self.first, torch.Tensor) else self.first.borrow()
 
     def input(self, index: int) -> torch.Tensor:
         """The input of the segment's call ``index`` (> 0), from the cache or by replaying the calls before it."""
@@ -47,7 +73,7 @@ class Segment:
         if cached is not None:
             return cached
         start = max((position for position in self._cache if position < index), default=0)
-        tensor = self._cache[start] if start else self.first
+        tensor = self._cache[start] if start else self._first_input()
         for position in range(start, index):
             tensor = self.calls[position].replay(tensor)
             self.replays += 1
@@ -99,7 +125,7 @@ class ReplayChain:
             return None
         segment = self._segment() if self._segment is not None else None
         if segment is None:
-            # The previous call starts the segment: its input is alive, saved by its node.
+            # The previous call starts the segment: its input (or the parked copy of it) is alive, saved by its node.
             previous_input = self._input() if self._input is not None else None
             if length < 2 or previous_input is None:
                 return None
@@ -109,10 +135,11 @@ class ReplayChain:
         segment.calls.append(call)
         return segment, len(segment.calls) - 1
 
-    def follow(self, tensor: torch.Tensor, call: Any, output: torch.Tensor, segment: Segment | None) -> None:
-        """Record the call just made: its input, its first output and its segment (``None``: it starts one)."""
-        self._input, self._call, self._output = weakref.ref(tensor), weakref.ref(call), weakref.ref(output)
+    def follow(self, kept: torch.Tensor | Parked, call: Any, output: torch.Tensor, segment: Segment | None) -> None:
+        """Record the call just made: its input (or that input's parked copy), its first output and its segment
+        (``None``: it starts one)."""
+        self._input, self._call, self._output = weakref.ref(kept), weakref.ref(call), weakref.ref(output)
         self._segment = None if segment is None else weakref.ref(segment)
 
 
-__all__ = ["ReplayChain", "ReplayedInput", "Segment", "segment_length"]
+__all__ = ["Parked", "ReplayChain", "ReplayedInput", "Segment", "segment_length"]

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, save_tiny_llama, tiny_llama_config
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
@@ -272,7 +273,7 @@ def test_keyword_tensors_that_need_grad_get_it():
 def test_a_layer_returning_something_else_is_refused_by_name():
     layer = torch.nn.Linear(3, 3)
     checkpointed = LayerCheckpoint(layer, 2, OffloadEngine(), keep_on_device=False)
-    with pytest.raises(TypeError, match=r"Linear 2 returned a dict.*use_gradient_checkpointing=True"):
+    with pytest.raises(TypeError, match=r"Linear 2 returned a dict.*use_gradient_checkpointing=False.*patch=False"):
         checkpointed(lambda x: {"out": layer(x)}, torch.randn(2, 3))
 
 
@@ -376,10 +377,20 @@ class _RecordedStreams:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def _copies(trace: list) -> dict[str, int]:
+    """How many copies of each label the side stream ran."""
+    return {label: sum(item == ("copy", "side", label) for item in trace) for label in _labels()}
+
+
+def _labels() -> list[str]:
+    return [f"{way} {slot}" for slot in range(LAYERS) for way in ("to host", "to device")]
+
+
 @pytest.mark.lane
 def test_the_copies_are_ordered_against_the_compute_stream(tiny_folder):
-    """The CUDA protocol, replayed with recorded stand-in streams: each copy waits for what it reads, is waited for
-    before its result is read, and the backward's copy of a layer's input is queued before the layer above recomputes.
+    """The CUDA protocol, replayed with recorded stand-in streams: each parked input crosses to the host once and
+    back once per step; each copy waits for what it reads, is waited for before its result is read, and the backward's
+    copy of a layer's input is queued before the layer above recomputes.
     """
     expected = _step(_model(tiny_folder, False), [_ids(49152)])
     model = _model(tiny_folder, "offload", park=True)
@@ -392,26 +403,66 @@ def test_the_copies_are_ordered_against_the_compute_stream(tiny_folder):
                 ("layer", index, "recompute" if torch.is_grad_enabled() else "forward")
             )
         )
-    _assert_same(expected, _step(model, [_ids(49152)]))
-    trace = streams.trace
-    at = trace.index
-    for slot in range(LAYERS - 1):  # the last layer keeps its input on the device
-        to_host = at(("copy", "side", f"to host {slot}"))
-        # Forward: the side stream first waits for the compute stream (which produced the input), the copy is queued
-        # before the layer's own kernels so it overlaps them, and the input's memory is held until the copy ran.
-        assert trace[to_host - 1] == ("wait", "side", "compute") and trace[to_host + 1] == ("keep", "side")
-        assert to_host < at(("layer", slot, "forward"))
-        assert slot == 0 or at(("layer", slot - 1, "forward")) < to_host
-        # Backward: the copy back waits for the compute stream (its destination was allocated there), records an
-        # event, and the compute stream waits for that event before the layer recomputes from the copy.
-        to_device = at(("copy", "side", f"to device {slot}"))
-        assert trace[to_device - 1] == ("wait", "side", "compute")
-        assert trace[to_device + 1] == ("record", "side", to_device + 1)
-        waited = at(("wait event", "compute", to_device + 1))
-        recompute = at(("layer", slot, "recompute"))
-        assert to_device < waited < recompute
-        # Prefetch: queued during the backward of the layer above, before that layer recomputes, and not waited for
-        # until it has.
-        above = at(("layer", slot + 1, "recompute"))
-        assert at(("layer", LAYERS - 1, "forward")) < to_device < above < waited
-    assert ("copy", "side", f"to host {LAYERS - 1}") not in trace
+    for step in range(2):  # the second step reuses the first one's host buffers
+        streams.trace.clear()
+        model.zero_grad(set_to_none=True)
+        _assert_same(expected, _step(model, [_ids(49152)]))
+        trace = streams.trace
+        # Exactly one copy each way per parked layer input; the last layer keeps its input on the device.
+        once = {label: int(not label.endswith(f" {LAYERS - 1}")) for label in _labels()}
+        assert _copies(trace) == once, f"step {step}"
+        assert sum(item[0] == "copy" for item in trace) == 2 * (LAYERS - 1)
+        at = trace.index
+        for slot in range(LAYERS - 1):
+            to_host = at(("copy", "side", f"to host {slot}"))
+            # Forward: the side stream first waits for the compute stream (which produced the input), the copy is
+            # queued before the layer's own kernels so it overlaps them, and the input's memory is held until the
+            # copy ran.
+            assert trace[to_host - 1] == ("wait", "side", "compute") and trace[to_host + 1] == ("keep", "side")
+            assert to_host < at(("layer", slot, "forward"))
+            assert slot == 0 or at(("layer", slot - 1, "forward")) < to_host
+            # Backward: the copy back waits for the compute stream (its destination was allocated there), records
+            # an event, and the compute stream waits for that event before the layer recomputes from the copy.
+            to_device = at(("copy", "side", f"to device {slot}"))
+            assert trace[to_device - 1] == ("wait", "side", "compute")
+            assert trace[to_device + 1] == ("record", "side", to_device + 1)
+            waited = at(("wait event", "compute", to_device + 1))
+            recompute = at(("layer", slot, "recompute"))
+            assert to_device < waited < recompute
+            # Prefetch: queued during the backward of the layer above, before that layer recomputes, and not waited
+            # for until it has.
+            above = at(("layer", slot + 1, "recompute"))
+            assert at(("layer", LAYERS - 1, "forward")) < to_device < above < waited
+    assert engine_of(model).allocations() == LAYERS - 1
+
+
+class _CopyOps(TorchDispatchMode):
+    """Counts the aten ops that copy tensor data."""
+
+    KINDS = ("aten.copy_.default", "aten._to_copy.default", "aten.clone.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(self.KINDS, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.counts:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_offload_adds_exactly_the_two_copies_per_parked_input_to_a_step(tiny_folder):
+    """Every aten copy of a step, counted: offloading adds one copy to host and one back per parked layer input to
+    what the same checkpointer does when it keeps the inputs on the device (``True``), and nothing else (no RNG state
+    round trip, no second copy of a pinned buffer)."""
+    counts = {}
+    for mode in (True, "offload"):
+        model = _model(tiny_folder, mode, park=mode == "offload")
+        engine_of(model).cpu_stream_ops = _RecordedStreams() if mode == "offload" else None
+        _step(model, [_ids(49152)])  # the first step allocates the host buffers
+        model.zero_grad(set_to_none=True)
+        with _CopyOps() as copies:
+            _step(model, [_ids(49152)])
+        counts[mode] = copies.counts
+    added = {kind: counts["offload"][kind] - counts[True][kind] for kind in _CopyOps.KINDS}
+    assert added == {"aten.copy_.default": 2 * (LAYERS - 1), "aten._to_copy.default": 0, "aten.clone.default": 0}
