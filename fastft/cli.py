@@ -47,7 +47,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: NF4 4-bit base weights")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bf16/fp16 GPU, fp32 CPU")
     parser.add_argument(
-        "--gradient-checkpointing", choices=["offload", "unsloth", "sqrt", "true", "false"], help="checkpointing mode"
+        "--gradient-checkpointing",
+        choices=["offload", "unsloth", "sqrt", "sqrt-offload", "true", "false"],
+        help="checkpointing mode",
     )
     parser.add_argument(
         "--compile", action="store_true", help="regional torch.compile of the decoder layers (time reported)"

@@ -587,8 +587,10 @@ class FastModel:
             target_modules: Names of the linear layers to adapt (one name may be given as a string); ``None`` means
                 every attention and MLP projection of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed
                 qkv/o/gate_up/down).
-            use_gradient_checkpointing: ``False``, ``True`` (recompute), ``"offload"`` (alias ``"unsloth"``) or
-                ``"sqrt"`` (one layer input in every ``ceil(sqrt(layers))`` kept, the others replayed in backward).
+            use_gradient_checkpointing: ``False``, ``True`` (recompute: each layer's input kept on the device and the
+                layer run again in backward, on the fused path), ``"offload"`` (alias ``"unsloth"``: the inputs parked
+                in pinned host memory), ``"sqrt"`` (one layer input in every ``ceil(sqrt(layers))`` kept, the others
+                replayed in backward) or ``"sqrt-offload"`` (``"sqrt"`` with the kept inputs parked in host memory).
             random_state: Seed for the adapter initialisation; the caller's RNG state is left untouched.
             compile: Regional compilation (:mod:`fastft.compile`): every decoder layer runs one ``torch.compile``-d
                 forward, compiled on the first step (its time is reported by ``fastft train``) and shared by all

@@ -57,6 +57,32 @@ def test_a_plan_is_built_once_and_reused(model, builds):
     assert len(builds) == 2 * _layers(model)
 
 
+@pytest.mark.parametrize("mode", [True, "offload", "sqrt"])
+def test_checkpointing_alternates_between_two_kept_decisions(tiny_llama_dir, builds, mode):
+    """The checkpointed forward runs without grad and the recompute with grad: two decisions per module, each made
+    once, not one made again on every call."""
+    model, _ = lora_model(tiny_llama_dir, use_gradient_checkpointing=mode)
+    _step(model).backward()
+    first = len(builds)
+    assert first == 2 * 2 * _layers(model)
+    for _ in range(3):
+        _step(model).backward()
+    assert len(builds) == first
+
+
+def test_a_plan_keeps_a_few_recent_decisions():
+    module = torch.nn.Linear(2, 2)
+    made = []
+
+    def build(tag):
+        return lambda: (made.append(tag) or tag, [])
+
+    for stamp in ("a", "b", "a", "b", "c", "d", "e", "a"):
+        assert plans.planned(module, stamp, build(stamp)) == stamp
+    # a and b built once each while they alternate; c, d, e push a out (four kept), so a is built again.
+    assert made == ["a", "b", "c", "d", "e", "a"]
+
+
 @pytest.mark.parametrize(
     "change",
     ["disable_adapter", "grad_mode", "hook", "requires_grad", "dropout_mode", "scale"],

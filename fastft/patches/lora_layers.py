@@ -174,30 +174,34 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
         return _linear_stamp(module)
     active = state.get("_active_adapter")
     names = (active,) if isinstance(active, str) else tuple(active or ())
-    lora_a, lora_b, dropout = modules["lora_A"]._modules, modules["lora_B"]._modules, modules.get("lora_dropout")
-    scaling = state.get("scaling", {})
-    # Of A and B, projection_weights reads only their type and weight: the module and parameter objects say both.
-    adapters = tuple(
-        (
-            name,
-            id(lora_a[name]),
-            id(lora_a[name]._parameters.get("weight")),
-            id(lora_b.get(name)),
-            id(lora_b[name]._parameters.get("weight")) if name in lora_b else None,
-            scaling.get(name),
-            dropout._modules[name].training if dropout is not None and name in dropout._modules else None,
-        )
-        for name in names
-        if name in lora_a
-    )
-    return (
-        _linear_stamp(module),
-        _linear_stamp(base),
+    stamp = [
+        *_linear_stamp(base),
+        id(module),
+        len(state["_forward_hooks"]),
+        len(state["_forward_pre_hooks"]),
+        "forward" in state,
+        "_hf_hook" in state,
         state.get("_disable_adapters"),
         names,
         len(state.get("merged_adapters", ())),
-        adapters,
-    )
+    ]
+    # Of A and B, projection_weights reads only their type and weight: the module and parameter objects say both.
+    lora_a, lora_b = modules["lora_A"]._modules, modules["lora_B"]._modules
+    dropout, scaling = modules.get("lora_dropout"), state.get("scaling", {})
+    for name in names:
+        a, b = lora_a.get(name), lora_b.get(name)
+        if a is None:
+            continue
+        drop = None if dropout is None else dropout._modules.get(name)
+        stamp += (
+            id(a),
+            id(a._parameters.get("weight")),
+            id(b),
+            None if b is None else id(b._parameters.get("weight")),
+            scaling.get(name),
+            None if drop is None else drop.training,
+        )
+    return tuple(stamp)
 
 
 def projection_objects(module: torch.nn.Module) -> list[Any]:

@@ -26,12 +26,37 @@ _ATTRIBUTE = "_fastft_plan"
 
 
 class Plan:
-    """A module's decisions (``value``), the stamp they hold for, and the objects whose ids the stamp holds (kept
-    alive so that no new object can take one of those ids while the plan lives)."""
+    """A module's recent decisions: each value with the stamp it holds for and the objects whose ids that stamp holds
+    (kept alive so that no new object can take one of those ids while the plan lives).
 
-    __slots__ = ("keep", "stamp", "value")
+    More than one is kept because training alternates states: checkpointing runs a layer without grad, then again
+    with grad in backward; trl's preference trainers alternate the policy with its adapters disabled. The last one
+    used is compared first, with ``==`` on its stamp; the others by hash.
+    """
+
+    __slots__ = ("keep", "older", "stamp", "value")
+
+    KEPT = 4
 
     def __init__(self, stamp: Any, value: Any, keep: Sequence[Any]) -> None:
+        self.stamp, self.value, self.keep = stamp, value, tuple(keep)
+        self.older: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+
+    def find(self, stamp: Any) -> Any:
+        """The value decided under ``stamp`` (made the latest), or ``_MISSING``."""
+        if self.stamp == stamp:
+            return self.value
+        found = self.older.pop(stamp, None)
+        if found is None:
+            return _MISSING
+        self.add(stamp, *found)
+        return self.value
+
+    def add(self, stamp: Any, value: Any, keep: Sequence[Any]) -> None:
+        """Make ``value`` the latest decision; the one it replaces joins the older ones (the oldest of which goes)."""
+        self.older[self.stamp] = (self.value, self.keep)
+        while len(self.older) >= self.KEPT:
+            self.older.pop(next(iter(self.older)))
         self.stamp, self.value, self.keep = stamp, value, tuple(keep)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
@@ -40,6 +65,9 @@ class Plan:
     def __reduce__(self) -> tuple[Any, ...]:
         # A pickled module starts without a plan: its stamp would name objects of another process.
         return (_no_plan, ())
+
+
+_MISSING = object()
 
 
 def _no_plan() -> None:
@@ -61,11 +89,16 @@ def planned(module: torch.nn.Module, stamp: Any, build: Callable[[], tuple[Any, 
     """``module``'s plan for ``stamp``: the kept one when its stamp is equal, else the value of ``build()``, which
     returns ``(value, objects to keep alive)``."""
     plan = module.__dict__.get(_ATTRIBUTE)
-    if plan is not None and plan.stamp == stamp:
-        return plan.value
+    if plan is not None:
+        value = plan.find(stamp)
+        if value is not _MISSING:
+            return value
     value, keep = build()
-    # Around nn.Module.__setattr__: a plan is neither a parameter, a buffer nor a submodule.
-    module.__dict__[_ATTRIBUTE] = Plan(stamp, value, keep)
+    if plan is None:
+        # Around nn.Module.__setattr__: a plan is neither a parameter, a buffer nor a submodule.
+        module.__dict__[_ATTRIBUTE] = Plan(stamp, value, keep)
+    else:
+        plan.add(stamp, value, keep)
     return value
 
 
