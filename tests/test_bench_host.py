@@ -1,0 +1,169 @@
+"""bench/host.py: its quick run writes a consistent record, its op count is deterministic, and the committed CPU
+record has every system and target. No timing is asserted here: the speed targets live in the committed JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_SYSTEMS = ["transformers+peft", "transformers+peft+gc", "unsloth", "fastft", "fastft+sqrt"]
+# The systems of the committed record; a fastft mode added later appears when the record is regenerated.
+COMMITTED_SYSTEMS = [
+    "transformers+peft",
+    "transformers+peft+gc",
+    "unsloth",
+    "unsloth-nogc",
+    "fastft",
+    "fastft+recompute",
+    "fastft+offload",
+    "fastft+sqrt",
+    "fastft+compile",
+]
+ROW_FIELDS = ("median_host_s", "tokens_per_s", "ops_per_step", "top_ops", "loss", "loss_diff", "host_s", "ratios")
+TARGET_FIELDS = ("target", "system", "metric", "baseline", "limit", "measured", "met")
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("fastft_bench_host", ROOT / "bench" / "host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench()
+
+
+def test_quick_run_writes_a_consistent_record(bench, tmp_path):
+    output = tmp_path / "host.json"
+    threads = torch.get_num_threads()
+    # This interpreter has no Unsloth here: its row must say so instead of failing the run.
+    argv = ["--quick", "--out", str(output), "--systems", *QUICK_SYSTEMS, "--unsloth-python", sys.executable]
+    assert bench.main(argv) == 0
+    assert torch.get_num_threads() == threads  # main gives the caller its thread count back
+    record = json.loads(output.read_text())
+
+    assert record["benchmark"] == "bench/host.py" and record["device"].startswith("cpu")
+    assert record["fastft_kernel_path"] == "torch reference" and record["command"].endswith(sys.executable)
+    # conftest turns the Triton interpreter on; the benchmark measures fastft's CPU path as users get it instead.
+    from fastft.kernels import dispatch
+
+    assert record["triton_interpreter_forced_off"] is dispatch.INTERPRETED
+    for name in ("torch", "transformers", "peft", "fastft"):
+        assert record["versions"][name], name
+    assert Path(record["fastft_source"]["path"], "fastft", "__init__.py").exists()
+    settings = record["settings"]
+    assert (settings["layers"], settings["rounds"], settings["steps"], settings["threads"]) == (2, 2, 2, 1)
+    assert settings["quick"] is True and settings["tokens_per_step"] == 16
+
+    rows = record["systems"]
+    assert list(rows) == QUICK_SYSTEMS  # build order, whatever order they were asked in
+    unsloth = rows.pop("unsloth")
+    assert unsloth["status"] in ("ok", "not run"), unsloth
+    if unsloth["status"] == "not run":
+        assert sys.executable in unsloth["reason"] and "median_host_s" in unsloth
+    base, base_gc = rows["transformers+peft"], rows["transformers+peft+gc"]
+    for name, row in rows.items():
+        assert row["status"] == "ok", row
+        assert len(row["host_s"]) == 4 and all(seconds > 0 for seconds in row["host_s"]), name
+        assert row["median_host_s"] == statistics.median(row["host_s"])
+        assert row["tokens_per_s"] == pytest.approx(16 / row["median_host_s"])
+        assert row["ops_per_step"] > 100 and sum(count for _, count in row["top_ops"]) <= row["ops_per_step"]
+        ratios = row["ratios"]
+        assert ratios["host_vs_transformers+peft"] == pytest.approx(row["median_host_s"] / base["median_host_s"])
+        assert ratios["host_vs_transformers+peft+gc"] == pytest.approx(row["median_host_s"] / base_gc["median_host_s"])
+        assert ratios["ops_vs_transformers+peft"] == pytest.approx(row["ops_per_step"] / base["ops_per_step"])
+        # Same weights, same LoRA values (2 layers x 7 projections), same tokens: the same loss.
+        assert (row["adapters"], row["lora_checksum"]) == (14, base["lora_checksum"])
+        assert abs(row["loss_diff"]) <= 1e-4 * base["loss"] and 4.5 < row["loss"] < 6.5, name  # about ln(256)
+    assert base["ratios"]["host_vs_transformers+peft"] == 1.0
+    # Recomputing in backward dispatches more operators than keeping every activation.
+    assert base_gc["ops_per_step"] > base["ops_per_step"]
+    assert rows["fastft+sqrt"]["ops_per_step"] > rows["fastft"]["ops_per_step"]
+    assert rows["fastft+sqrt"]["checkpointing"] == "sqrt" and rows["fastft"]["checkpointing"] is None
+    assert record["losses"]["agree"] is True
+    assert record["losses"]["max_abs_diff"] == max(abs(row["loss_diff"]) for row in rows.values())
+
+    targets = {entry["target"]: entry for entry in record["targets"]}
+    assert set(targets) == {
+        "fastft median_host_s <= 0.5 x transformers+peft",
+        "fastft+sqrt median_host_s <= 0.6 x transformers+peft+gc",
+        "fastft ops_per_step <= 0.6 x transformers+peft",
+    }
+    for entry in targets.values():
+        assert entry["measured"] == pytest.approx(
+            rows[entry["system"]][entry["metric"]] / rows[entry["baseline"]][entry["metric"]]
+        )
+        assert entry["met"] == (entry["measured"] <= entry["limit"])
+
+
+def test_op_count_is_the_same_every_step(bench, tmp_path):
+    folder = tmp_path / "model"
+    bench.write_model(folder, layers=2)
+    for system, mode in (("transformers+peft", False), ("fastft+sqrt", "sqrt")):
+        runner = bench.Runner(bench.build(system, folder, "cpu", torch.float32, mode), "cpu")
+        runner.warm(1)
+        first, second = runner.count(), runner.count()
+        assert first == second and first["ops_per_step"] > 100, system
+
+
+def test_fastft_modes_are_found_once_each(bench):
+    modes = bench.fastft_modes()
+    # "unsloth" is an alias of "offload": one row per mode, under the value a user would pass.
+    assert {None: False, "recompute": True, "offload": "offload", "sqrt": "sqrt"}.items() <= modes.items()
+    assert "unsloth" not in modes.values()
+    systems = bench.available_systems()
+    assert list(systems)[:4] == ["transformers+peft", "transformers+peft+gc", "unsloth", "unsloth-nogc"]
+    assert {"fastft", "fastft+recompute", "fastft+offload", "fastft+sqrt", "fastft+compile"} <= set(systems)
+
+
+def test_targets_without_a_baseline_are_not_measured(bench):
+    rows = {
+        "transformers+peft": {"kind": "stock", "status": "failed", "use_gradient_checkpointing": False},
+        "transformers+peft+gc": {"kind": "stock", "status": "ok", "median_host_s": 2.0, "ops_per_step": 10},
+        "fastft": {"kind": "fastft", "status": "ok", "use_gradient_checkpointing": False, "median_host_s": 1.0},
+        "fastft+offload": {"kind": "fastft", "status": "ok", "use_gradient_checkpointing": "offload"},
+    }
+    rows["fastft+offload"]["median_host_s"] = 1.0
+    targets = {entry["target"]: entry for entry in bench.targets(rows)}
+    host = targets["fastft median_host_s <= 0.5 x transformers+peft"]
+    assert host["measured"] is None and host["met"] is None and "transformers+peft failed" in host["note"]
+    offload = targets["fastft+offload median_host_s <= 0.6 x transformers+peft+gc"]
+    assert offload["measured"] == 0.5 and offload["met"] is True
+
+
+def test_committed_cpu_record_has_every_system_and_target():
+    record = json.loads((ROOT / "bench" / "results" / "host-cpu.json").read_text())
+    settings = record["settings"]
+    assert record["device"].startswith("cpu") and settings["quick"] is False
+    assert (settings["layers"], settings["threads"], settings["tokens_per_step"]) == (16, 1, 16)
+    for name in ("torch", "transformers", "peft", "trl", "fastft"):
+        assert record["versions"][name], name
+    rows = record["systems"]
+    assert set(COMMITTED_SYSTEMS) <= set(rows)
+    for name, row in rows.items():
+        if row["status"] == "ok":
+            assert all(field in row for field in ROW_FIELDS), name
+            assert row["median_host_s"] > 0 and row["ops_per_step"] > 0, name
+        else:
+            assert row["status"] in ("not run", "failed") and (row.get("reason") or row.get("error")), name
+    for name in ("transformers+peft", "transformers+peft+gc", "fastft"):
+        assert rows[name]["status"] == "ok", name
+    assert record["losses"]["agree"] is True
+    targets = {entry["target"]: entry for entry in record["targets"]}
+    wanted = ["fastft median_host_s <= 0.5 x transformers+peft", "fastft ops_per_step <= 0.6 x transformers+peft"]
+    wanted += [
+        f"fastft+{mode} median_host_s <= 0.6 x transformers+peft+gc" for mode in ("recompute", "offload", "sqrt")
+    ]
+    assert set(wanted) <= set(targets)
+    for entry in targets.values():
+        assert all(field in entry for field in TARGET_FIELDS), entry
+        assert entry["met"] is None or entry["met"] == (entry["measured"] <= entry["limit"])
