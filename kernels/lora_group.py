@@ -74,8 +74,16 @@ class LoRAGroupFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: LoRAGroup, *adapters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         count = group._lora_count
+        ctx.casts = {}
         outputs, xa = lora_math.forward(
-            group._spec, x2d, group._weights, group._quant_states, adapters[:count], adapters[count:], group._biases
+            group._spec,
+            x2d,
+            group._weights,
+            group._quant_states,
+            adapters[:count],
+            adapters[count:],
+            group._biases,
+            ctx.casts,
         )
         ctx.group = group
         ctx.x_shape = x.shape
@@ -104,6 +112,7 @@ class LoRAGroupFunction(torch.autograd.Function):
             grads,
             needs[0],
             needs_lora,
+            ctx.casts,
         )
         if grad_x is not None and len(ctx.x_shape) != 2:
             grad_x = grad_x.view(ctx.x_shape)

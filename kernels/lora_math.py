@@ -245,9 +245,15 @@ def forward(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None] | None,
+    casts: dict[str, Any] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Forward of one group on ``x2d [M, K]``: ``(outputs, xa)``, one new contiguous ``[M, out_i]`` per segment and
-    ``xa = X [A_0; A_1; …]ᵀ`` (None without LoRA), everything in x's dtype (adapters and biases cast to it)."""
+    ``xa = X [A_0; A_1; …]ᵀ`` (None without LoRA), everything in x's dtype (adapters and biases cast to it).
+
+    ``casts``: where an eager node keeps the adapters it cast (peft keeps A and B in fp32 over a bf16 base) for its
+    own backward, which then casts nothing: one cast per adapter per step instead of one in forward and one again in
+    backward. Only between the two halves of one node: across steps an optimizer may write the weights without
+    telling autograd (bitsandbytes' 8-bit optimizers do), so no cast outlives its node."""
     dtype = x2d.dtype
     xa = None
     per_segment_b: list[torch.Tensor | None] = [None] * len(spec.widths)
@@ -255,9 +261,13 @@ def forward(
         stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
         if stacked.dtype != dtype:
             stacked = stacked.to(dtype)
+            if casts is not None:
+                casts["a"] = stacked
         xa = torch.mm(x2d, stacked.t())
         for i, b in zip(spec.lora, lora_b, strict=True):
             per_segment_b[i] = b if b.dtype == dtype else b.to(dtype)
+        if casts is not None and any(b.dtype != dtype for b in lora_b):
+            casts["b"] = [per_segment_b[i] for i in spec.lora]
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, per_segment_b, biases)
@@ -275,9 +285,10 @@ def backward(
     grads: Sequence[torch.Tensor | None],
     needs_x: bool,
     needs_lora: Sequence[bool],
+    casts: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Backward of one group: ``(dX [M, K] or None, [dA_j], [dB_j])`` over the LoRA segments, each LoRA gradient in
-    its parameter's dtype (None where ``needs_lora[j]`` is False).
+    its parameter's dtype (None where ``needs_lora[j]`` is False). ``casts``: what this node's forward cast.
 
     ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
     segment without one gets zero gradients.
@@ -302,10 +313,14 @@ def backward(
     grad_b: list[torch.Tensor | None] = []
     start = 0
     single = len(spec.lora) == 1
+    cast_a = None if casts is None else casts.get("a")
+    cast_b = None if casts is None else casts.get("b")
     for j, i in enumerate(spec.lora):
         a, b, grad, wants = lora_a[j], lora_b[j], flat[i], needs_lora[j]
         rank = spec.ranks[i]
         xa_i = xa if single else xa[:, start : start + rank]
+        a_in_dtype = a if cast_a is None else cast_a[start : start + rank]
+        b_in_dtype = b if cast_b is None else cast_b[j]
         start += rank
         if grad is None:
             grad_a.append(torch.zeros_like(a) if wants else None)
@@ -317,7 +332,7 @@ def backward(
             continue
         scale = spec.scales[i]
         # dY B: the factor that dA and the low-rank part of dX share.
-        dyb = torch.mm(grad, b if b.dtype == dtype else b.to(dtype))
+        dyb = torch.mm(grad, b_in_dtype if b_in_dtype.dtype == dtype else b_in_dtype.to(dtype))
         if wants:
             zero = _zero(x2d)
             da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
@@ -328,7 +343,7 @@ def backward(
             grad_a.append(None)
             grad_b.append(None)
         if needs_x:
-            grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
+            grad_x.addmm_(dyb, a_in_dtype if a_in_dtype.dtype == dtype else a_in_dtype.to(dtype), alpha=scale)
     return grad_x, grad_a, grad_b
 
 

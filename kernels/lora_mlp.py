@@ -196,6 +196,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         gate_up_adapters = (*arguments[:count], *arguments[total : total + count])
         down_adapters = (*arguments[count:total], *arguments[total + count :])
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        casts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
         out, xa_gate_up, gate, up, xa_down = lora_mlp_math.forward(
             gate_up._spec,
             down._spec,
@@ -203,8 +204,10 @@ class LoRAMLPFunction(torch.autograd.Function):
             _tensors(gate_up, gate_up_adapters),
             _tensors(down, down_adapters),
             mlp.activation,
+            casts,
         )
         ctx.mlp = mlp
+        ctx.casts = casts
         ctx.x_shape = x.shape
         ctx.save_for_backward(x2d, xa_gate_up, gate, up, xa_down, *arguments)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
@@ -236,6 +239,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             needs[0],
             needs_lora,
             in_place=True,
+            casts=ctx.casts,
         )
         if grad_x is not None and len(ctx.x_shape) != 2:
             grad_x = grad_x.view(ctx.x_shape)

@@ -65,10 +65,18 @@ Tensors = tuple[Sequence[torch.Tensor], Sequence[Any], Sequence[torch.Tensor], S
 
 
 def forward(
-    gate_up: Spec, down: Spec, x2d: torch.Tensor, gate_up_tensors: Tensors, down_tensors: Tensors, activation: str
+    gate_up: Spec,
+    down: Spec,
+    x2d: torch.Tensor,
+    gate_up_tensors: Tensors,
+    down_tensors: Tensors,
+    activation: str,
+    casts: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(out [M, hidden], xa_gate_up, gate [M, I], up [M, I], xa_down)`` for ``x2d [M, hidden]``."""
-    outputs, xa_gate_up = lora_math.forward(gate_up, x2d, *gate_up_tensors)
+    """``(out [M, hidden], xa_gate_up, gate [M, I], up [M, I], xa_down)`` for ``x2d [M, hidden]``. ``casts``: the
+    two groups' adapter casts, kept for the eager node's backward (:func:`fastft.kernels.lora_math.forward`)."""
+    gate_up_casts, down_casts = casts or (None, None)
+    outputs, xa_gate_up = lora_math.forward(gate_up, x2d, *gate_up_tensors, gate_up_casts)
     if len(outputs) == 2:
         gate, up = outputs
     else:
@@ -76,7 +84,7 @@ def forward(
         # halves; clone, not contiguous(): with one row a half is already contiguous and would alias the other.
         gate, up = (half.clone(memory_format=torch.contiguous_format) for half in outputs[0].chunk(2, dim=1))
     hidden = ACTIVATIONS[activation][0](gate, up)
-    (out,), xa_down = lora_math.forward(down, hidden, *down_tensors)
+    (out,), xa_down = lora_math.forward(down, hidden, *down_tensors, down_casts)
     return out, xa_gate_up, gate, up, xa_down
 
 
@@ -95,15 +103,17 @@ def backward(
     needs_x: bool,
     needs_lora: Sequence[bool],
     in_place: bool,
+    casts: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """``(dX, [dA], [dB])`` over the LoRA segments (gate / up ones, then down's). ``in_place`` writes the gate's
     gradients over ``gate`` and ``up`` (the eager Function owns them); otherwise they are copied first."""
     gate_forward, gate_backward_ = ACTIVATIONS[activation]
     count = len(gate_up.lora)
+    gate_up_casts, down_casts = casts or (None, None)
     hidden = gate_forward(gate, up)
     weights, states, lora_a, lora_b, _ = down_tensors
     grad_hidden, grad_a_down, grad_b_down = lora_math.backward(
-        down, hidden, xa_down, weights, states, lora_a, lora_b, [grad], True, needs_lora[count:]
+        down, hidden, xa_down, weights, states, lora_a, lora_b, [grad], True, needs_lora[count:], down_casts
     )
     del hidden
     if not in_place:
@@ -113,7 +123,7 @@ def backward(
     grads = [grad_gate, grad_up] if len(gate_up.widths) == 2 else [torch.cat([grad_gate, grad_up], dim=1)]
     weights, states, lora_a, lora_b, _ = gate_up_tensors
     grad_x, grad_a, grad_b = lora_math.backward(
-        gate_up, x2d, xa_gate_up, weights, states, lora_a, lora_b, grads, needs_x, needs_lora[:count]
+        gate_up, x2d, xa_gate_up, weights, states, lora_a, lora_b, grads, needs_x, needs_lora[:count], gate_up_casts
     )
     return grad_x, grad_a + grad_a_down, grad_b + grad_b_down
 
