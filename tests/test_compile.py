@@ -83,22 +83,24 @@ def test_regional_compile_matches_eager(family, checkpointing):
     # One graph per kind of layer, one more for the first layer, whose input (the frozen embeddings' output) needs no
     # gradient, and under checkpointing the forward without grad beside the recompute with it; never one per layer.
     layer_kinds = len(set(getattr(compiled.config, "layer_types", None) or ["full"]))
-    bound = layer_kinds * (2 if checkpointing else 1) + 1
+    bound = (layer_kinds + 1) * (2 if checkpointing else 1)
     assert 1 <= counter.frame_count <= bound, f"{name}: {counter.frame_count} compiled frames"
 
 
-def test_regional_compile_shares_one_graph_among_layers(tmp_path_factory, smol_tokenizer):
-    """Eight layers, two graphs: the first layer's (its input needs no gradient) and the one the other seven share."""
+@pytest.mark.parametrize(("checkpointing", "graphs"), [(False, 2), ("offload", 4)], ids=["no-ckpt", "offload"])
+def test_regional_compile_shares_one_graph_among_layers(tmp_path_factory, smol_tokenizer, checkpointing, graphs):
+    """Eight layers, and as many graphs as two layers need: the first layer's (its input needs no gradient) and the one
+    the other seven share; under checkpointing each twice (the forward without grad, the recompute with it)."""
     from conftest import save_tiny_llama
 
     folder = save_tiny_llama(tmp_path_factory, smol_tokenizer, name="deep-llama", num_hidden_layers=8)
-    model = lora_model(str(folder), patch=True, checkpointing=False)
+    model = lora_model(str(folder), patch=True, checkpointing=checkpointing)
     counter = CompileCounterWithBackend("aot_eager")
     compile_layers(model, backend=counter)
     batch = make_batch(model.config.vocab_size, batch=1, seq=7)
     for _ in range(2):
         loss_and_grads(model, batch)
-    assert counter.frame_count == 2
+    assert counter.frame_count == graphs
 
 
 def test_compile_switch_of_get_peft_model(tiny_llama_dir):
