@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from fastft.kernels.custom_ops import direct_apply
 from fastft.offload import OffloadEngine, ParkedTensor
 from fastft.replay import ReplayedInput, Segment
 
@@ -422,6 +423,9 @@ def _replayed_pack(expected: torch.Tensor, segment: Segment, index: int) -> Call
     return pack
 
 
+_apply_checkpointed = direct_apply(_CheckpointedLayer)
+
+
 class LayerCheckpoint:
     """fastft's ``_gradient_checkpointing_func`` for one decoder layer (see :mod:`fastft.checkpoint`).
 
@@ -478,10 +482,10 @@ class LayerCheckpoint:
         else:
             hooks = None
         if hooks is None:
-            flat = _CheckpointedLayer.apply(call, *tensors, *keyword_tensors, *parameters)
+            flat = _apply_checkpointed(call, *tensors, *keyword_tensors, *parameters)
         else:
             with hooks:
-                flat = _CheckpointedLayer.apply(call, *tensors, *keyword_tensors, *parameters)
+                flat = _apply_checkpointed(call, *tensors, *keyword_tensors, *parameters)
         if self.segment:
             kept = (call.kept() if call.offload else tensors[0]) if len(tensors) == 1 and flat else None
             if kept is None:

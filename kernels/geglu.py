@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling
+from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.dispatch import tl, triton
 
 # The same input checks, buffer rules, ops and Function as SwiGLU: one implementation of them.
@@ -184,6 +184,7 @@ _GEGLU_OPS = register_gate(
     """,
 )
 GeGLUFunction = _GEGLU_OPS.function
+_apply_geglu = direct_apply(GeGLUFunction)
 geglu_op = _GEGLU_OPS.op
 geglu_backward_op = _GEGLU_OPS.backward_op
 
@@ -230,7 +231,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if compiling():
         _check_inputs("geglu", gate, up)  # at trace time: a bad call fails while compiling
         return geglu_op(gate, up)
-    return GeGLUFunction.apply(gate, up)
+    return _apply_geglu(gate, up)
 
 
 __all__ = ["GeGLUFunction", "geglu", "geglu_backward", "geglu_backward_", "geglu_forward", "geglu_reference"]

@@ -46,7 +46,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels import lora_math
-from fastft.kernels.custom_ops import compiling, define, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
     FLOAT_DTYPES,
@@ -205,6 +205,7 @@ class LoRAGroup:
             # One in_features for every projection is the rule; a mix fails every call, naming the projection.
             "_in_features": in_features.pop() if len(in_features) == 1 else None,
             "_function": FUNCTIONS.get(function, LoRAGroupFunction),
+            "_apply_function": direct_apply(FUNCTIONS.get(function, LoRAGroupFunction)),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -267,7 +268,7 @@ class LoRAGroup:
     def _apply(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if compiling():
             return tuple(_op(x, **self.op_arguments(x.dtype), group=self.group)[:-1])
-        return self._function.apply(x, self, *self._adapters)
+        return self._apply_function(x, self, *self._adapters)
 
     def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
         """The group's tensors and layout as the custom op's keyword arguments (see the module docstring)."""

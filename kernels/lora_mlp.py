@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels import lora_mlp_math
-from fastft.kernels.custom_ops import compiling
+from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, gate_functions
@@ -149,7 +149,7 @@ class LoRAMLP:
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if compiling():
             return lora_mlp_math.op(x, **self.op_arguments(x.dtype))[0]
-        return LoRAMLPFunction.apply(x, self, *self._adapters)
+        return _apply_mlp(x, self, *self._adapters)
 
     def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
         """The custom op ``fastft::lora_mlp``'s keyword arguments after x (see :mod:`fastft.kernels.lora_mlp_math`)."""
@@ -251,6 +251,9 @@ class LoRAMLPFunction(torch.autograd.Function):
         for j, segment in enumerate(_lora_segments(mlp)):
             full_a[segment], full_b[segment] = grad_a[j], grad_b[j]
         return (grad_x, None, None, *[None] * n, *full_a, *full_b)
+
+
+_apply_mlp = direct_apply(LoRAMLPFunction)
 
 
 def _lora_segments(mlp: LoRAMLP) -> list[int]:

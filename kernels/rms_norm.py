@@ -35,7 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, define, pick, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -494,6 +494,9 @@ class RMSNormFunction(torch.autograd.Function):
         return _grad(ctx, dy)
 
 
+_apply_rms_norm = direct_apply(RMSNormFunction)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -531,7 +534,7 @@ def rms_norm(
         _check_shapes(x, weight)
         _check_variant(offset, cast_before_weight)
         return rms_norm_op(x, weight, float(eps), float(offset), cast_before_weight)[0]
-    return RMSNormFunction.apply(x, weight, eps, offset, cast_before_weight)
+    return _apply_rms_norm(x, weight, eps, offset, cast_before_weight)
 
 
 __all__ = ["MAX_FUSED_HIDDEN", "RMSNormFunction", "rms_norm", "rms_norm_reference"]

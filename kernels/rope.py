@@ -35,7 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, define, pick, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -397,9 +397,8 @@ def _rope_backward(
     position_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of q and k (None where the output's gradient is None), in one launch on the Triton path."""
-    # Fresh buffers, never grad_q / grad_k rotated in place: autograd may hand the very same gradient tensor to
-    # several consumers (an add passes its incoming gradient unchanged to both operands, and a leaf's
-    # AccumulateGrad may keep that tensor as its .grad), so overwriting it would corrupt the others' gradients.
+    # Fresh buffers, never grad_q / grad_k rotated in place: autograd may hand one gradient tensor to several
+    # consumers (an add passes it to both operands; AccumulateGrad may keep it as .grad), so writing would corrupt them.
     if grad_q is None and grad_k is None:
         return None, None
     if dispatch.use_triton(cos):
@@ -540,6 +539,9 @@ class _RoPEInPlaceK(torch.autograd.Function):
         return _grad(ctx, None, grad_k)[1], None, None, None
 
 
+_apply_rope = direct_apply(RoPEFunction)
+
+
 def apply_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -588,12 +590,11 @@ def apply_rope(
             return q.copy_(q_rot), k.copy_(k_rot)
         return q_rot, k_rot
     if inplace and (q._base is not None or k._base is not None):
-        # torch refuses a Function that modifies a view in place and returns more than one tensor (it can only
-        # rebase one view's history per node), and transformers' q / k are views (transposes). So the one launch
-        # happens in a node that returns q, and a second, compute-free node returns k, each marking its tensor dirty.
+        # torch refuses a Function that modifies a view in place and returns more than one tensor (one view's history
+        # per node), and transformers' q / k are views: one node launches and returns q, a compute-free one returns k.
         rotated_q = _RoPEInPlaceQ.apply(q, k, cos, sin, position_ids)
         return rotated_q, _RoPEInPlaceK.apply(k, cos, sin, position_ids)
-    return RoPEFunction.apply(q, k, cos, sin, position_ids, inplace)
+    return _apply_rope(q, k, cos, sin, position_ids, inplace)
 
 
 __all__ = ["RoPEFunction", "apply_rope", "rope_reference"]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, define, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -352,6 +352,7 @@ _SWIGLU_OPS = register_gate(
     """,
 )
 SwiGLUFunction = _SWIGLU_OPS.function
+_apply_swiglu = direct_apply(SwiGLUFunction)
 swiglu_op = _SWIGLU_OPS.op
 swiglu_backward_op = _SWIGLU_OPS.backward_op
 
@@ -396,7 +397,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if compiling():
         _check_inputs("swiglu", gate, up)  # at trace time: a bad call fails while compiling
         return swiglu_op(gate, up)
-    return SwiGLUFunction.apply(gate, up)
+    return _apply_swiglu(gate, up)
 
 
 __all__ = [

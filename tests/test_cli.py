@@ -272,3 +272,15 @@ def test_dpo_on_the_embedded_model_raises_the_reward_margin(tmp_path):
     assert sum(row["rewards/accuracies"] for row in metrics["steps"][-4:]) / 4 > 0.5, metrics["steps"][-4:]
     assert (output / f"checkpoint-{steps}" / "trainer_state.json").exists()
     assert "rewards/margins" in result.stdout
+
+
+def test_train_compile_reports_its_compile_time(tiny_llama_dir, tmp_path):
+    """`fastft train --compile`: the decoder layers compiled regionally, the seconds spent compiling in metrics.json
+    and in the closing line."""
+    output = tmp_path / "compiled"
+    done = _run([*_train_command(tiny_llama_dir, output, 2), "--compile"], tmp_path, one_thread=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["options"]["compile"] is True
+    assert metrics["compile_s"] > 0
+    assert "s of it compiling" in done.stdout
