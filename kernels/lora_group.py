@@ -357,9 +357,7 @@ def _lora_group_backward(
         needs[0],
         needs[1:],
     )
-    empty = x.new_empty(0)
-    grad_x = empty if grad_x is None else grad_x.view(x.shape)
-    return [grad_x, *[empty if g is None else g for g in grad_a], *[empty if g is None else g for g in grad_b]]
+    return lora_math.gradient_list(x, grad_x, grad_a, grad_b)
 
 
 def _lora_group_backward_fake(
@@ -375,11 +373,7 @@ def _lora_group_backward_fake(
     group: str,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    grad_x = torch.empty_like(x) if needs[0] else x.new_empty(0)
-    lora_needs = needs[1:]
-    grad_a = [torch.empty_like(a) if wants else a.new_empty(0) for a, wants in zip(lora_a, lora_needs, strict=True)]
-    grad_b = [torch.empty_like(b) if wants else b.new_empty(0) for b, wants in zip(lora_b, lora_needs, strict=True)]
-    return [grad_x, *grad_a, *grad_b]
+    return lora_math.fake_gradient_list(x, lora_a, lora_b, needs)
 
 
 _op = define("lora_group", _lora_group, fake=_lora_group_fake)
@@ -395,48 +389,17 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> Non
 
 
 def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
-    n, count, n_biases, n_nf4 = ctx.counts
     layout, scales, group = ctx.static
     x, xa, *rest = ctx.saved_tensors
-    weights, lora_a, lora_b, nf4 = (
-        rest[:n],
-        rest[n : n + count],
-        rest[n + count : n + 2 * count],
-        rest[n + 2 * count : n + 2 * count + n_nf4],
-    )
-    needs = ctx.needs_input_grad
-    needs_x = bool(needs[0])
-    needs_lora = [bool(a or b) for a, b in zip(needs[2], needs[3], strict=True)]
+    weights, lora_a, lora_b, nf4 = lora_math.saved_lists(rest, ctx.counts)
+    needs = lora_math.needs_of(ctx)
     # Only a compiled graph (or a direct call of the op) reaches this backward: the eager path is the Function's.
     # So it always calls the backward op, never its implementation, which reads real tensors (the tuner, the
     # shared NF4 buffer) that a tracer's fake ones must not meet.
     result = _backward_op(
-        list(grads[:-1]),
-        x,
-        xa,
-        list(weights),
-        list(lora_a),
-        list(lora_b),
-        list(nf4),
-        layout,
-        scales,
-        group,
-        [needs_x, *needs_lora],
+        list(grads[:-1]), x, xa, list(weights), list(lora_a), list(lora_b), list(nf4), layout, scales, group, needs
     )
-    grad_a = [g if wants else None for g, wants in zip(result[1 : 1 + count], needs_lora, strict=True)]
-    grad_b = [g if wants else None for g, wants in zip(result[1 + count :], needs_lora, strict=True)]
-    # A gradient per input, a list per list input (autograd matches the structures).
-    return (
-        result[0] if needs_x else None,
-        [None] * n,
-        grad_a,
-        grad_b,
-        [None] * n_biases,
-        [None] * n_nf4,
-        None,
-        None,
-        None,
-    )
+    return lora_math.input_gradients(result, needs, ctx.counts, trailing=3)
 
 
 register_autograd(_op, _setup, _grad)

@@ -476,7 +476,64 @@ def biases_from(layout: Sequence[int], biases: Sequence[torch.Tensor]) -> list[t
     return [next(present) if part[3] else None for part in segments(layout)]
 
 
+# The autograd glue both group ops share (fastft::lora_group and fastft::lora_mlp take the same tensor lists).
+
+
+def saved_lists(rest: Sequence[torch.Tensor], counts: Sequence[int]) -> tuple[Sequence[torch.Tensor], ...]:
+    """``(weights, lora_a, lora_b, nf4)`` from the tensors an op's setup saved after its activations, as
+    ``(*weights, *lora_a, *lora_b, *nf4)`` with ``counts = (weights, adapters, biases, nf4)``."""
+    n, count, _, n_nf4 = counts
+    return rest[:n], rest[n : n + count], rest[n + count : n + 2 * count], rest[n + 2 * count : n + 2 * count + n_nf4]
+
+
+def needs_of(ctx: Any) -> list[bool]:
+    """``[needs dX, needs (dA, dB) per adapter]`` of an op whose inputs start ``(x, weights, lora_a, lora_b, ...)``."""
+    needs = ctx.needs_input_grad
+    return [bool(needs[0]), *(bool(a or b) for a, b in zip(needs[2], needs[3], strict=True))]
+
+
+def input_gradients(result: Sequence[torch.Tensor], needs: Sequence[bool], counts: Sequence[int], trailing: int):
+    """The registered backward's return from the backward op's ``[dX, dA..., dB...]``: one gradient per input, a list
+    per list input (autograd matches the structures), None where none was wanted; ``trailing`` scalar inputs last."""
+    n, count, n_biases, n_nf4 = counts
+    lora_needs = needs[1:]
+    grad_a = [g if wants else None for g, wants in zip(result[1 : 1 + count], lora_needs, strict=True)]
+    grad_b = [g if wants else None for g, wants in zip(result[1 + count :], lora_needs, strict=True)]
+    return (result[0] if needs[0] else None, [None] * n, grad_a, grad_b, [None] * n_biases, [None] * n_nf4) + (
+        None,
+    ) * trailing
+
+
+def gradient_list(
+    x: torch.Tensor,
+    grad_x: torch.Tensor | None,
+    grad_a: Sequence[torch.Tensor | None],
+    grad_b: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor]:
+    """A backward op's output ``[dX, dA..., dB...]``: an op has no optional outputs, so a gradient nobody wants is an
+    empty placeholder (dropped again by :func:`input_gradients`)."""
+    empty = x.new_empty(0)
+    grad_x = empty if grad_x is None else grad_x.view(x.shape)
+    return [grad_x, *[empty if g is None else g for g in grad_a], *[empty if g is None else g for g in grad_b]]
+
+
+def fake_gradient_list(
+    x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], needs: Sequence[bool]
+) -> list[torch.Tensor]:
+    """What :func:`gradient_list` returns, as shapes only (the backward ops' fake implementations)."""
+    grad_x = torch.empty_like(x) if needs[0] else x.new_empty(0)
+    lora_needs = needs[1:]
+    grad_a = [torch.empty_like(a) if wants else a.new_empty(0) for a, wants in zip(lora_a, lora_needs, strict=True)]
+    grad_b = [torch.empty_like(b) if wants else b.new_empty(0) for b, wants in zip(lora_b, lora_needs, strict=True)]
+    return [grad_x, *grad_a, *grad_b]
+
+
 __all__ = [
+    "fake_gradient_list",
+    "gradient_list",
+    "input_gradients",
+    "needs_of",
+    "saved_lists",
     "LAYOUT_FIELDS",
     "QuantStateStandIn",
     "Spec",

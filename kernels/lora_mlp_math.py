@@ -255,9 +255,7 @@ def _lora_mlp_backward(
         needs[1:],
         in_place=False,
     )
-    empty = x.new_empty(0)
-    grad_x = empty if grad_x is None else grad_x.view(x.shape)
-    return [grad_x, *[empty if g is None else g for g in grad_a], *[empty if g is None else g for g in grad_b]]
+    return lora_math.gradient_list(x, grad_x, grad_a, grad_b)
 
 
 def _lora_mlp_backward_fake(
@@ -278,11 +276,7 @@ def _lora_mlp_backward_fake(
     down_group: str,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    grad_x = torch.empty_like(x) if needs[0] else x.new_empty(0)
-    lora_needs = needs[1:]
-    grad_a = [torch.empty_like(a) if wants else a.new_empty(0) for a, wants in zip(lora_a, lora_needs, strict=True)]
-    grad_b = [torch.empty_like(b) if wants else b.new_empty(0) for b, wants in zip(lora_b, lora_needs, strict=True)]
-    return [grad_x, *grad_a, *grad_b]
+    return lora_math.fake_gradient_list(x, lora_a, lora_b, needs)
 
 
 op = define("lora_mlp", _lora_mlp, fake=_lora_mlp_fake)
@@ -299,22 +293,12 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> Non
 
 
 def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
-    n, count, n_biases, n_nf4 = ctx.counts
     layout, scales, activation, gate_up_group, down_group = ctx.static
     x, xa_gate_up, gate, up, xa_down, *rest = ctx.saved_tensors
-    weights, lora_a, lora_b, nf4 = (
-        rest[:n],
-        rest[n : n + count],
-        rest[n + count : n + 2 * count],
-        rest[n + 2 * count : n + 2 * count + n_nf4],
-    )
-    needs = ctx.needs_input_grad
-    needs_x = bool(needs[0])
-    needs_lora = [bool(a or b) for a, b in zip(needs[2], needs[3], strict=True)]
-    # autograd materialises a missing output gradient as zeros, so grads[0] is a tensor.
-    # Only a compiled graph (or a direct call of the op) reaches this backward: the eager path is the Function's.
-    # So it always calls the backward op, never its implementation, which reads real tensors (the tuner, the
-    # shared NF4 buffer) that a tracer's fake ones must not meet.
+    weights, lora_a, lora_b, nf4 = lora_math.saved_lists(rest, ctx.counts)
+    needs = lora_math.needs_of(ctx)
+    # autograd materialises a missing output gradient as zeros, so grads[0] is a tensor. Only a compiled graph (or a
+    # direct call of the op) reaches this backward, so it calls the backward op (see lora_group's _grad).
     result = backward_op(
         grads[0],
         x,
@@ -331,24 +315,9 @@ def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
         activation,
         gate_up_group,
         down_group,
-        [needs_x, *needs_lora],
+        needs,
     )
-    grad_a = [g if wants else None for g, wants in zip(result[1 : 1 + count], needs_lora, strict=True)]
-    grad_b = [g if wants else None for g, wants in zip(result[1 + count :], needs_lora, strict=True)]
-    # A gradient per input, a list per list input (autograd matches the structures).
-    return (
-        result[0] if needs_x else None,
-        [None] * n,
-        grad_a,
-        grad_b,
-        [None] * n_biases,
-        [None] * n_nf4,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    return lora_math.input_gradients(result, needs, ctx.counts, trailing=5)
 
 
 register_autograd(op, _setup, _grad)
