@@ -9,9 +9,9 @@ the registered backward into the backward op.
 
 Eager calls do not go through the dispatcher. A custom op's Python dispatch costs about 12 µs per forward + backward
 on a CPU (torch 2.13) against about 4 µs for an ``autograd.Function``, and host time is what the hot path is judged
-by. So the public function applies an ``autograd.Function`` built by :func:`eager_function` from the *same* forward
-implementation, ``setup_context`` and ``backward``; inside ``backward``, :func:`pick` hands out the backward op while
-compiling and its implementation otherwise. One definition, two entry points, the same numbers.
+by. So the public function applies an ``autograd.Function`` (through :func:`direct_apply`) whose forward and backward
+call the *same* implementations the ops wrap; inside a registered backward, :func:`pick` hands out the backward op
+while compiling and its implementation otherwise. One implementation, two entry points, the same numbers.
 
 A kernel file therefore looks like::
 
@@ -25,12 +25,16 @@ A kernel file therefore looks like::
         return pick(_backward_op, _backward)(dy, ...)
 
     register_autograd(_op, _setup, _grad)
-    RMSNormFunction = eager_function("RMSNormFunction", _forward, _setup, _grad)
+
+    class RMSNormFunction(torch.autograd.Function):  # forward / backward call _forward / _backward
+        ...
+
+    _apply = direct_apply(RMSNormFunction)
 
     def rms_norm(x, w, eps):
         if compiling():
             return _op(x, w, eps)[0]
-        return RMSNormFunction.apply(x, w, eps)[0]
+        return _apply(x, w, eps)
 
 Custom-op rules that shape the implementations: arguments are tensors, optional tensors, lists of them, and
 int / float / bool / str scalars or lists (no Python objects); an output never aliases an input; a mutated input is
@@ -44,7 +48,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 NAMESPACE = "fastft"
 
@@ -95,39 +98,6 @@ def pick(op: Any, implementation: Callable[..., Any]) -> Callable[..., Any]:
     return op if compiling() else implementation
 
 
-def eager_function(
-    name: str,
-    forward: Callable[..., Any],
-    setup_context: Callable[..., None],
-    backward: Callable[..., Any],
-    *,
-    doc: str | None = None,
-    module: str | None = None,
-) -> type[torch.autograd.Function]:
-    """An ``autograd.Function`` class from a forward implementation and the op's ``setup_context`` and ``backward``.
-
-    The backward is once-differentiable (as every fastft kernel's is): a double backward raises instead of returning
-    wrong second derivatives.
-
-    Args:
-        name: The class name (public names such as ``RMSNormFunction`` keep working).
-        forward: The forward implementation, called with the arguments of ``apply`` (no ``ctx``).
-        setup_context: ``(ctx, inputs, output) -> None``, the op's.
-        backward: ``(ctx, *grads) -> grads``, the op's.
-        doc: The class docstring.
-        module: ``__module__`` for the class (the kernel file), so it pickles and documents under its own name.
-    """
-    namespace = {
-        "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(once_differentiable(backward)),
-        "__doc__": doc,
-    }
-    if module is not None:
-        namespace["__module__"] = module
-    return type(name, (torch.autograd.Function,), namespace)
-
-
 def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` without the Python layer ``autograd.Function.apply`` wraps around torch's C++ one.
 
@@ -158,7 +128,6 @@ __all__ = [
     "compiling",
     "define",
     "direct_apply",
-    "eager_function",
     "pick",
     "register_autograd",
     "registered_ops",

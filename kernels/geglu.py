@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.dispatch import tl, triton
 
 # The same input checks, buffer rules, ops and Function as SwiGLU: one implementation of them.
@@ -184,7 +183,6 @@ _GEGLU_OPS = register_gate(
     """,
 )
 GeGLUFunction = _GEGLU_OPS.function
-_apply_geglu = direct_apply(GeGLUFunction)
 geglu_op = _GEGLU_OPS.op
 geglu_backward_op = _GEGLU_OPS.backward_op
 
@@ -228,10 +226,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ShapeContractError: ``gate`` and ``up`` have different shapes.
         TypeError: ``gate`` and ``up`` have different dtypes.
     """
-    if compiling():
-        _check_inputs("geglu", gate, up)  # at trace time: a bad call fails while compiling
-        return geglu_op(gate, up)
-    return _apply_geglu(gate, up)
+    return _GEGLU_OPS.call(gate, up)
 
 
 __all__ = ["GeGLUFunction", "geglu", "geglu_backward", "geglu_backward_", "geglu_forward", "geglu_reference"]

@@ -7,9 +7,9 @@ A group is built when a patch reads a layer's weights (:mod:`fastft.patches`), a
     q_out, k_out, v_out = qkv(x)
 
 Construction validates everything that does not depend on x (weights, dtypes, biases, A / B shapes, finite scales,
-packed widths), raising the errors :func:`~fastft.kernels.lora_projection.check_group` raises. A call checks only x's
-dtype and last dim, and that no base weight or bias requires grad while autograd is on, picks the compute dtype
-(autocast's, when on), and applies the group:
+packed widths), raising the errors :func:`~fastft.kernels.lora_projection.check_projection` raises. A call checks
+only x's dtype and last dim, and that no base weight or bias requires grad while autograd is on, picks the compute
+dtype (autocast's, when on), and applies the group:
 
 - eager: an ``autograd.Function`` (:class:`LoRAGroupFunction`; :class:`~fastft.kernels.lora_qkv.LoRAQKVFunction`
   and friends by the group's function name) whose arguments are x, the group and the trainable A's and B's only,

@@ -148,33 +148,6 @@ def check_projection(where: str, projection: LoRAWeights) -> tuple[int, int]:
     return out_features, in_features
 
 
-def check_group(
-    function: str,
-    names: Sequence[str],
-    x: torch.Tensor,
-    projections: Sequence[LoRAWeights],
-    x_name: str = "x",
-) -> None:
-    """Check every projection against x before any matmul: dtypes, ``[out, in]``, the bias ``[out]``, ``A [r, in]``,
-    ``B [out, r]``, and that neither the base weight nor the bias wants a gradient.
-
-    ``x_name`` is what the message calls the input (``"H = silu(gate) * up"`` for down_proj, say)."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise x_dtype_error(function, x)
-    for name, projection in zip(names, projections, strict=True):
-        where = f"{function}: {name}"
-        out_features, in_features = projection_shape(where, projection)
-        if x.shape[-1] != in_features:
-            raise x_shape_error(where, x, out_features, in_features, x_name)
-        _check_weight_dtype(where, projection)
-        if projection.weight.requires_grad and torch.is_grad_enabled():
-            raise frozen_error(where, projection)
-        _check_bias(where, projection.bias, out_features, in_features)
-        if projection.bias is not None and projection.bias.requires_grad and torch.is_grad_enabled():
-            raise frozen_error(where, projection)
-        _check_adapter(where, projection, out_features, in_features)
-
-
 def _check_weight_dtype(where: str, projection: LoRAWeights) -> None:
     if not is_packed(projection) and projection.weight.dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -280,13 +253,8 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """x's dtype, or the autocast dtype when autocast is on for x's device (what F.linear would compute in)."""
-    return autocast_dtype(x) or x.dtype
-
-
 def autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Autocast off for x's device while a Function runs in the dtype :func:`compute_dtype` chose."""
+    """Autocast off for x's device while a Function runs in the dtype :func:`autocast_dtype` chose."""
     if not torch.amp.is_autocast_available(x.device.type):
         return contextlib.nullcontext()
     return torch.autocast(x.device.type, enabled=False)
@@ -298,9 +266,7 @@ __all__ = [
     "NF4_DEQUANT_ENV",
     "autocast_dtype",
     "autocast_off",
-    "check_group",
     "check_projection",
-    "compute_dtype",
     "dense_weights",
     "frozen_error",
     "function_inputs",

@@ -234,11 +234,13 @@ def save_for_in_place_backward(
 
 @dataclass(frozen=True)
 class GateOps:
-    """A gate kernel's two custom ops and its eager autograd Function (see :func:`register_gate`)."""
+    """A gate kernel's two custom ops, its eager autograd Function, and ``call``: the public function's body (the op
+    while compiling, the Function otherwise; see :func:`register_gate`)."""
 
     op: Any
     backward_op: Any
     function: type[torch.autograd.Function]
+    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def register_gate(kind: GatedActivation, function_name: str, module: str, doc: str) -> GateOps:
@@ -305,7 +307,16 @@ def register_gate(kind: GatedActivation, function_name: str, module: str, doc: s
         "__doc__": doc,
         "__module__": module,
     }
-    return GateOps(op, backward_op, type(function_name, (torch.autograd.Function,), namespace))
+    function = type(function_name, (torch.autograd.Function,), namespace)
+    eager = direct_apply(function)
+
+    def call(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if compiling():
+            _check_inputs(kind.name, gate, up)  # at trace time: a bad call fails while compiling
+            return op(gate, up)
+        return eager(gate, up)
+
+    return GateOps(op, backward_op, function, call)
 
 
 def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -352,7 +363,6 @@ _SWIGLU_OPS = register_gate(
     """,
 )
 SwiGLUFunction = _SWIGLU_OPS.function
-_apply_swiglu = direct_apply(SwiGLUFunction)
 swiglu_op = _SWIGLU_OPS.op
 swiglu_backward_op = _SWIGLU_OPS.backward_op
 
@@ -394,10 +404,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ShapeContractError: ``gate`` and ``up`` have different shapes.
         TypeError: ``gate`` and ``up`` have different dtypes.
     """
-    if compiling():
-        _check_inputs("swiglu", gate, up)  # at trace time: a bad call fails while compiling
-        return swiglu_op(gate, up)
-    return _apply_swiglu(gate, up)
+    return _SWIGLU_OPS.call(gate, up)
 
 
 __all__ = [

@@ -102,9 +102,4 @@ def planned(module: torch.nn.Module, stamp: Any, build: Callable[[], tuple[Any, 
     return value
 
 
-def forget(module: torch.nn.Module) -> None:
-    """Drop ``module``'s plan (the next call decides again)."""
-    module.__dict__.pop(_ATTRIBUTE, None)
-
-
-__all__ = ["Plan", "forget", "group_objects", "group_stamp", "planned"]
+__all__ = ["Plan", "group_objects", "group_stamp", "planned"]
