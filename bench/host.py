@@ -38,6 +38,7 @@ if __name__ == "__main__":
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import platform
 import statistics
@@ -52,12 +53,25 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
+def _bench_worker() -> Any:
+    # fastft bench's worker: the same seeded adapters (set_lora) in both benchmarks. Loaded by path, as the worker
+    # loads its own neighbours, because the Unsloth subprocess's environment may have no fastft to import it from.
+    path = Path(__file__).resolve().parent.parent / "fastft" / "bench" / "worker.py"
+    spec = importlib.util.spec_from_file_location("_fastft_bench_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_WORKER = _bench_worker()
+set_lora = _WORKER.set_lora
 RESULTS = Path(__file__).resolve().parent / "results"
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = _WORKER.TARGETS
 RANK, ALPHA, BATCH, SEQ = 8, 16, 1, 16
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 SHAPE.update(max_position_embeddings=512, tie_word_embeddings=False)
-WEIGHT_SEED, LORA_SEED, INPUT_SEED = 0, 1000, 0
+WEIGHT_SEED, LORA_SEED, INPUT_SEED = 0, _WORKER.LORA_SEED, 0
 BASELINE, BASELINE_GC = "transformers+peft", "transformers+peft+gc"
 UNSLOTH = {"unsloth": "unsloth", "unsloth-nogc": False}
 COMPILED = "fastft+compile"
@@ -99,30 +113,6 @@ def write_model(folder: Path, layers: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHT_SEED)
         LlamaForCausalLM(LlamaConfig(**SHAPE, num_hidden_layers=layers)).save_pretrained(folder)
-
-
-def set_lora(model: torch.nn.Module) -> dict[str, Any]:
-    """Give every LoRA A and B values seeded by (layer, projection), the same in every system and process.
-
-    Returns how many adapters were set and a checksum of their values (compared across systems).
-    """
-    count, checksum = 0, 0.0
-    for name, module in model.named_modules():
-        lora_a = getattr(module, "lora_A", None)
-        parts = name.split(".")
-        if lora_a is None or "default" not in lora_a or "layers" not in parts or parts[-1] not in PROJECTIONS:
-            continue
-        layer = int(parts[parts.index("layers") + 1])
-        generator = torch.Generator().manual_seed(LORA_SEED + 16 * layer + PROJECTIONS.index(parts[-1]))
-        a_weight, b_weight = lora_a["default"].weight, module.lora_B["default"].weight
-        a = torch.randn(a_weight.shape, generator=generator) / a_weight.shape[1] ** 0.5
-        b = torch.randn(b_weight.shape, generator=generator) * 0.02
-        with torch.no_grad():
-            a_weight.copy_(a)
-            b_weight.copy_(b)
-        count += 1
-        checksum += float(a.double().abs().sum() + b.double().abs().sum())
-    return {"adapters": count, "lora_checksum": checksum}
 
 
 def build(system: str, folder: Path, device: str, dtype: torch.dtype, checkpointing: bool | str) -> torch.nn.Module:
