@@ -92,6 +92,24 @@ def lora_model(folder, load_in_4bit: bool = False, **kwargs):
     return model, tokenizer
 
 
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[str]:
+    """The class name of each fused LoRA Function (QKV, O, MLP) every time its forward runs, in order."""
+    import importlib
+
+    calls: list[str] = []
+    for module, name in (("lora_qkv", "LoRAQKVFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction")):
+        function = getattr(importlib.import_module(f"fastft.kernels.{module}"), name)
+        original = function.forward
+
+        def counted(*args, _original=original, _name=function.__name__, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(function, "forward", staticmethod(counted))
+    return calls
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 

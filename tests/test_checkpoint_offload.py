@@ -107,19 +107,8 @@ def test_offload_with_a_4bit_base(tiny_folder):
     _assert_same(expected, ([loss.detach()], _grads(model)))
 
 
-def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(tiny_folder, monkeypatch):
-    import importlib
-
-    calls = []
-    for module, name in (("lora_qkv", "LoRAQKVFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction")):
-        function = getattr(importlib.import_module(f"fastft.kernels.{module}"), name)
-        original = function.forward
-
-        def counted(*args, _original=original, _name=function.__name__, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(function, "forward", staticmethod(counted))
+def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(tiny_folder, fused_calls):
+    calls = fused_calls
     model = _model(tiny_folder, "offload", park=True)
     ids = _ids(49152)
     loss = model(input_ids=ids, labels=ids).loss

@@ -85,19 +85,8 @@ def test_recompute_with_a_4bit_base(folder):
     _assert_same(expected, _step(_model(folder, True, load_in_4bit=True)))
 
 
-def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(folder, monkeypatch):
-    import importlib
-
-    calls = []
-    for module, name in (("lora_qkv", "LoRAQKVFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction")):
-        function = getattr(importlib.import_module(f"fastft.kernels.{module}"), name)
-        original = function.forward
-
-        def counted(*args, _original=original, _name=function.__name__, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(function, "forward", staticmethod(counted))
+def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(folder, fused_calls):
+    calls = fused_calls
     model = _model(folder, True)
     ids = _ids()
     loss = model(input_ids=ids, labels=ids).loss
