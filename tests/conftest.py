@@ -114,6 +114,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
+def assert_same_loss_and_grads(expected, actual, bound: float = 1e-6) -> None:
+    """``(loss, grads, ...)`` of a step equal to another's within ``bound`` (relative), every gradient non-zero (a
+    zero one would compare nothing): how a checkpointing mode is checked against training without checkpointing."""
+    assert relative_error(actual[0], expected[0]) <= bound
+    assert expected[1].keys() == actual[1].keys()
+    for name, grad in expected[1].items():
+        assert grad.norm() > 0, name
+        assert relative_error(actual[1][name], grad) <= bound, name
+
+
 # Kernel checks: bounds on ||out - ref|| / ||ref|| against a float64 reference, per input dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

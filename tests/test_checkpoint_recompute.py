@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, save_tiny_llama
+from conftest import assert_same_loss_and_grads, randomize_lora_b, save_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastft import FastModel
@@ -48,14 +48,6 @@ def _step(model, seed: int = 42):
     return loss.detach(), grads, torch.get_rng_state()
 
 
-def _assert_same(expected, actual, bound: float = 1e-6) -> None:
-    assert relative_error(actual[0], expected[0]) <= bound
-    assert expected[1].keys() == actual[1].keys()
-    for name, grad in expected[1].items():
-        assert grad.norm() > 0, name
-        assert relative_error(actual[1][name], grad) <= bound, name
-
-
 def _checkpoints(model) -> list:
     return [layer._gradient_checkpointing_func for layer in model.base_model.model.model.layers]
 
@@ -73,7 +65,7 @@ def test_recompute_runs_on_fastfts_checkpointer_with_the_gradients_of_no_checkpo
     checkpoints = _checkpoints(model)
     assert all(type(c) is LayerCheckpoint and c.keep_on_device and not c.segment for c in checkpoints)
     actual = _step(model)
-    _assert_same(expected, actual)
+    assert_same_loss_and_grads(expected, actual)
     # The recompute ran under the forward's RNG state and then gave the caller's back: with dropout the step leaves
     # the generator where a step without checkpointing leaves it.
     assert torch.equal(actual[2], expected[2])
@@ -82,7 +74,7 @@ def test_recompute_runs_on_fastfts_checkpointer_with_the_gradients_of_no_checkpo
 @pytest.mark.lane
 def test_recompute_with_a_4bit_base(folder):
     expected = _step(_model(folder, False, load_in_4bit=True))
-    _assert_same(expected, _step(_model(folder, True, load_in_4bit=True)))
+    assert_same_loss_and_grads(expected, _step(_model(folder, True, load_in_4bit=True)))
 
 
 def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(folder, fused_calls):
@@ -103,7 +95,7 @@ def test_without_the_patch_true_is_transformers_checkpointing_and_says_nothing(f
     assert not any(isinstance(c, LayerCheckpoint) for c in _checkpoints(model))
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
     assert not [r.message for r in caplog.records if r.name == "fastft.checkpoint"]
-    _assert_same(_step(_model(folder, False)), _step(model), bound=1e-4)
+    assert_same_loss_and_grads(_step(_model(folder, False)), _step(model), bound=1e-4)
 
 
 def test_autocast_is_replayed_whether_or_not_the_backward_runs_under_it(folder):
@@ -123,7 +115,7 @@ def test_autocast_is_replayed_whether_or_not_the_backward_runs_under_it(folder):
                 loss.backward()
             results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
         # A recompute in fp32 would be off by about 1e-2.
-        _assert_same(*results, bound=1e-6)
+        assert_same_loss_and_grads(*results, bound=1e-6)
 
 
 class _Ops(TorchDispatchMode):
@@ -188,7 +180,7 @@ def test_a_parameter_frozen_or_unfrozen_between_steps_is_seen_and_no_step_walks_
                 if "lora_" in name:
                     parameter.requires_grad_(not (step == 1 and name.endswith(name_of_frozen)))
         expected, actual = _step(expected_model), _step(model)
-        _assert_same(expected, actual)
+        assert_same_loss_and_grads(expected, actual)
         assert (frozen.grad is None) is (step == 1)
         # As trl does around its reference forwards: a new checkpointer per layer, the same walk.
         model.get_base_model().gradient_checkpointing_enable()
@@ -214,7 +206,7 @@ def test_a_parameter_registered_or_swapped_in_after_a_step_gets_its_gradient(fol
         with torch.no_grad():
             for (_, mine), (_, theirs) in zip(model.named_parameters(), expected.named_parameters(), strict=True):
                 theirs.copy_(mine)
-        _assert_same(_step(expected)[:2], (loss, grads))
+        assert_same_loss_and_grads(_step(expected)[:2], (loss, grads))
 
 
 def test_the_embedding_output_needs_no_gradient_under_fastfts_checkpointer(folder):
@@ -244,7 +236,7 @@ def test_a_copied_model_walks_and_watches_its_own_layers(folder):
     twin = copy.deepcopy(model)
     walks = [c.layer_parameters for c in _checkpoints(twin)]
     assert all(w.layer is layer for w, layer in zip(walks, twin.base_model.model.model.layers, strict=True))
-    _assert_same(_step(model), _step(twin))
+    assert_same_loss_and_grads(_step(model), _step(twin))
     # A new adapter module registered into the copy's layer is seen by the copy's walk.
     projection = [module for name, module in twin.named_modules() if name.endswith("layers.2.mlp.up_proj")][0]
     old = projection.lora_B["default"]

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, save_tiny_llama
+from conftest import assert_same_loss_and_grads, randomize_lora_b, relative_error, save_tiny_llama
 
 from fastft import FastModel
 from fastft.checkpoint import LayerCheckpoint, resolve_mode
@@ -51,14 +51,6 @@ def _step(model, retain: bool = False):
     return loss.detach(), grads, saved.bytes
 
 
-def _assert_same(expected, actual, bound: float = 1e-6) -> None:
-    assert relative_error(actual[0], expected[0]) <= bound
-    assert expected[1].keys() == actual[1].keys()
-    for name, grad in expected[1].items():
-        assert grad.norm() > 0, name
-        assert relative_error(actual[1][name], grad) <= bound, name
-
-
 def _count_layer_runs(model) -> list[int]:
     runs = [0] * LAYERS
     for index, layer in enumerate(model.model.model.layers):
@@ -83,7 +75,7 @@ def test_sqrt_gradients_equal_no_checkpointing(nine_layers, dropout):
     runs = _count_layer_runs(model)
     # The replay runs each layer's forward again under that layer's own RNG state: with dropout, any other draw
     # would change the replayed inputs and so every gradient below the segment's first layer.
-    _assert_same(expected, _step(model))
+    assert_same_loss_and_grads(expected, _step(model))
     # Forward and recompute for every layer; the replay runs the first two layers of each segment once more.
     assert runs == [3, 3, 2] * 3
 
@@ -92,7 +84,7 @@ def test_sqrt_keeps_one_input_per_segment(nine_layers):
     recompute = _step(_model(nine_layers, True))
     model = _model(nine_layers, "sqrt")
     sqrt = _step(model)
-    _assert_same(recompute, sqrt)
+    assert_same_loss_and_grads(recompute, sqrt)
     hidden = BATCH * LENGTH * model.config.hidden_size * 4
     print(f"\nsaved for backward, {LAYERS} layers: recompute {recompute[2]:,} B, sqrt {sqrt[2]:,} B")
     # Six of the nine layer inputs are replayed instead of kept; everything else saved is the same.
@@ -146,7 +138,7 @@ def test_a_layer_input_changed_between_layers_starts_a_segment(nine_layers):
     for model in models.values():
         model.model.model.layers[4].register_forward_pre_hook(rescale, with_kwargs=True)
     runs = _count_layer_runs(models["sqrt"])
-    _assert_same(_step(models[False]), _step(models["sqrt"]))
+    assert_same_loss_and_grads(_step(models[False]), _step(models["sqrt"]))
     # Segments 0-2, 3 (cut short by the rescaled input of layer 4), 4-6, 7-8.
     assert runs == [3, 3, 2, 2, 3, 3, 2, 3, 2]
 
@@ -154,4 +146,4 @@ def test_a_layer_input_changed_between_layers_starts_a_segment(nine_layers):
 @pytest.mark.lane
 def test_sqrt_with_a_4bit_base(nine_layers):
     expected = _step(_model(nine_layers, False, load_in_4bit=True))
-    _assert_same(expected, _step(_model(nine_layers, "sqrt", load_in_4bit=True)))
+    assert_same_loss_and_grads(expected, _step(_model(nine_layers, "sqrt", load_in_4bit=True)))

@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error, save_tiny_llama
+from conftest import assert_same_loss_and_grads, randomize_lora_b, relative_error, save_tiny_llama
 from test_checkpoint_offload import _RecordedStreams
 
 from fastft import FastModel
@@ -59,14 +59,6 @@ def _step(model, retain: bool = False, before_backward=None):
     return loss.detach(), grads, saved.bytes
 
 
-def _assert_same(expected, actual, bound: float = 1e-6) -> None:
-    assert relative_error(actual[0], expected[0]) <= bound
-    assert expected[1].keys() == actual[1].keys()
-    for name, grad in expected[1].items():
-        assert grad.norm() > 0, name
-        assert relative_error(actual[1][name], grad) <= bound, name
-
-
 def _copies(trace: list, way: str) -> list[int]:
     return [int(item[2].split()[-1]) for item in trace if item[0] == "copy" and item[2].startswith(way)]
 
@@ -89,7 +81,7 @@ def test_sqrt_offload_gradients_equal_no_checkpointing_and_only_kept_inputs_cros
     for step in range(2):  # the second step reuses the host buffers
         streams.trace.clear()
         model.zero_grad(set_to_none=True)
-        _assert_same(expected, _step(model))
+        assert_same_loss_and_grads(expected, _step(model))
         # Each kept input of the two first segments crosses once each way; nothing replayed is ever copied.
         assert _copies(streams.trace, "to host") == list(PARKED), f"step {step}"
         assert sorted(_copies(streams.trace, "to device")) == list(PARKED), f"step {step}"
@@ -141,7 +133,7 @@ def test_sqrt_offload_saves_two_hidden_states_fewer_than_sqrt(nine_layers):
     sqrt = _step(_model(nine_layers, "sqrt"))
     model = _model(nine_layers, "sqrt-offload")
     parked = _step(model)
-    _assert_same(sqrt, parked)
+    assert_same_loss_and_grads(sqrt, parked)
     hidden = BATCH * LENGTH * model.config.hidden_size * 4
     print(f"\nsaved for backward on the device, {LAYERS} layers: sqrt {sqrt[2]:,} B, sqrt-offload {parked[2]:,} B")
     assert sqrt[2] - parked[2] == len(PARKED) * hidden
@@ -150,7 +142,7 @@ def test_sqrt_offload_saves_two_hidden_states_fewer_than_sqrt(nine_layers):
 
 def test_on_cpu_without_parking_it_is_sqrt(nine_layers):
     model = _model(nine_layers, "sqrt-offload", park=False)
-    _assert_same(_step(_model(nine_layers, "sqrt")), _step(model))
+    assert_same_loss_and_grads(_step(_model(nine_layers, "sqrt")), _step(model))
     assert engine_of(model).allocations() == 0
 
 
@@ -169,4 +161,4 @@ def test_a_second_backward_through_a_retained_graph_brings_the_kept_inputs_back_
 @pytest.mark.lane
 def test_sqrt_offload_with_a_4bit_base(nine_layers):
     expected = _step(_model(nine_layers, False, load_in_4bit=True))
-    _assert_same(expected, _step(_model(nine_layers, "sqrt-offload", load_in_4bit=True)))
+    assert_same_loss_and_grads(expected, _step(_model(nine_layers, "sqrt-offload", load_in_4bit=True)))
