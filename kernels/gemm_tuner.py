@@ -328,6 +328,9 @@ def plan_key(x: torch.Tensor) -> tuple:
     ``FASTFT_NF4_DEQUANT``, the simulated target and :func:`reset`'s generation. Two calls with equal keys get the
     same choice, so a group memoises it under this key (invalid settings are not validated here: :func:`choose`
     raises on them before anything is memoised)."""
+    if x.is_cpu and not dispatch.INTERPRETED:
+        # Only the torch reference runs on CPU tensors then (choose's first answer): no switch can change that.
+        return (rows_bucket(x.shape[0]), x.dtype, "cpu", _generation)
     return (
         rows_bucket(x.shape[0]),
         x.dtype,

@@ -74,6 +74,7 @@ class Spec:
         "plans",
         "ranks",
         "scales",
+        "segments",
         "widths",
     )
 
@@ -96,6 +97,21 @@ class Spec:
         self.any_packed = any(self.packed)
         self.all_packed = all(self.packed)
         self.plans: dict[tuple, Candidate] = {}
+        # Per segment (index, its adapter's position or -1, its columns of X Aᵀ, scale): the loops' fixed part.
+        starts, start = {}, 0
+        for i in self.lora:
+            starts[i] = start
+            start += self.ranks[i]
+        single = len(self.lora) == 1
+        self.segments = tuple(
+            (
+                i,
+                self.lora.index(i) if i in starts else -1,
+                None if single or i not in starts else slice(starts[i], starts[i] + self.ranks[i]),
+                self.scales[i],
+            )
+            for i in range(len(self.widths))
+        )
 
 
 def spec_of(group: str, projections: Sequence[LoRAWeights]) -> Spec:
@@ -214,11 +230,12 @@ def plan(
     weights: Sequence[torch.Tensor],
     quant_states: Sequence[Any],
     xa: torch.Tensor | None,
-    lora_b: Sequence[torch.Tensor | None],
+    lora_b: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None] | None,
 ) -> Candidate:
-    """The GEMM candidate for this call: memoised in ``spec.plans``; :func:`gemm_tuner.choose` (which may time the
-    candidates on these very tensors, and records the choice) runs only for a new :func:`gemm_tuner.plan_key`.
+    """The GEMM candidate for this call (``lora_b``: the LoRA segments' B's): memoised in ``spec.plans``;
+    :func:`gemm_tuner.choose` (which may time the candidates on these very tensors, and records the choice) runs only
+    for a new :func:`gemm_tuner.plan_key`.
 
     A memoised choice is not recorded again when a setting returns to an earlier value; after
     :func:`gemm_tuner.reset` (a new generation in the key) every group chooses and records afresh."""
@@ -227,7 +244,7 @@ def plan(
     if candidate is None:
 
         def run_one(option: Candidate) -> list[torch.Tensor]:
-            return run(option, spec, x2d, weights, quant_states, xa, lora_b, biases)
+            return run(option, spec, x2d, weights, quant_states, xa, _per_segment(spec, lora_b), biases)
 
         def check(option: Candidate) -> list[str]:
             return _check(option, x2d)
@@ -256,7 +273,6 @@ def forward(
     telling autograd (bitsandbytes' 8-bit optimizers do), so no cast outlives its node."""
     dtype = x2d.dtype
     xa = None
-    per_segment_b: list[torch.Tensor | None] = [None] * len(spec.widths)
     if spec.lora:
         stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
         if stacked.dtype != dtype:
@@ -264,14 +280,45 @@ def forward(
             if casts is not None:
                 casts["a"] = stacked
         xa = torch.mm(x2d, stacked.t())
-        for i, b in zip(spec.lora, lora_b, strict=True):
-            per_segment_b[i] = b if b.dtype == dtype else b.to(dtype)
-        if casts is not None and any(b.dtype != dtype for b in lora_b):
-            casts["b"] = [per_segment_b[i] for i in spec.lora]
+        if any(b.dtype != dtype for b in lora_b):
+            lora_b = [b if b.dtype == dtype else b.to(dtype) for b in lora_b]
+            if casts is not None:
+                casts["b"] = lora_b
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
-    candidate = plan(spec, x2d, weights, quant_states, xa, per_segment_b, biases)
-    return run(candidate, spec, x2d, weights, quant_states, xa, per_segment_b, biases), xa
+    candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
+    if candidate.path == "cublas" and not spec.any_packed:
+        return _dense(spec, x2d, weights, xa, lora_b, biases), xa
+    return run(candidate, spec, x2d, weights, quant_states, xa, _per_segment(spec, lora_b), biases), xa
+
+
+def _per_segment(spec: Spec, lora_b: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    # The B's of the LoRA segments as one entry per segment (None where a segment has no adapter).
+    return [None if j < 0 else lora_b[j] for _, j, _, _ in spec.segments]
+
+
+def _dense(
+    spec: Spec,
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    # The cuBLAS path over dense bases, straight-line (what every eager call of every layer runs): the base GEMM (the
+    # bias through addmm's epilogue), then the low-rank term added in place. _reference is the same for any bases.
+    dtype = x2d.dtype
+    outputs = []
+    for i, j, columns, scale in spec.segments:
+        weight = weights[i]
+        if weight.dtype != dtype:
+            weight = weight.to(dtype)
+        bias = None if biases is None else biases[i]
+        out = torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+        if j >= 0:
+            out.addmm_(xa if columns is None else xa[:, columns], lora_b[j].t(), alpha=scale)
+        outputs.append(out)
+    return outputs
 
 
 def backward(
@@ -294,8 +341,14 @@ def backward(
     segment without one gets zero gradients.
     """
     dtype = x2d.dtype
-    flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
-    flat = [g if g is None or g.dtype == dtype else g.to(dtype) for g in flat]
+    flat = []
+    for g in grads:
+        if g is not None:
+            if g.dim() != 2:
+                g = g.reshape(-1, g.shape[-1])
+            if g.dtype != dtype:
+                g = g.to(dtype)
+        flat.append(g)
     grad_x = None
     if needs_x:
         live = [i for i, g in enumerate(flat) if g is not None]
@@ -308,33 +361,27 @@ def backward(
             grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
         if grad_x is None:
             grad_x = torch.zeros_like(x2d)
+    if not spec.lora:
+        return grad_x, [], []
 
-    grad_a: list[torch.Tensor | None] = []
-    grad_b: list[torch.Tensor | None] = []
-    start = 0
-    single = len(spec.lora) == 1
     cast_a = None if casts is None else casts.get("a")
     cast_b = None if casts is None else casts.get("b")
-    for j, i in enumerate(spec.lora):
+    grad_a: list[torch.Tensor | None] = []
+    grad_b: list[torch.Tensor | None] = []
+    zero = _zero(x2d)
+    for i, j, columns, scale in spec.segments:
+        if j < 0:
+            continue
         a, b, grad, wants = lora_a[j], lora_b[j], flat[i], needs_lora[j]
-        rank = spec.ranks[i]
-        xa_i = xa if single else xa[:, start : start + rank]
-        a_in_dtype = a if cast_a is None else cast_a[start : start + rank]
-        b_in_dtype = b if cast_b is None else cast_b[j]
-        start += rank
-        if grad is None:
+        if grad is None or not (wants or needs_x):
             grad_a.append(torch.zeros_like(a) if wants else None)
             grad_b.append(torch.zeros_like(b) if wants else None)
             continue
-        if not (wants or needs_x):
-            grad_a.append(None)
-            grad_b.append(None)
-            continue
-        scale = spec.scales[i]
+        xa_i = xa if columns is None else xa[:, columns]
+        b_in_dtype = b if cast_b is None else cast_b[j]
         # dY B: the factor that dA and the low-rank part of dX share.
         dyb = torch.mm(grad, b_in_dtype if b_in_dtype.dtype == dtype else b_in_dtype.to(dtype))
         if wants:
-            zero = _zero(x2d)
             da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
             db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
             grad_a.append(da if da.dtype == a.dtype else da.to(a.dtype))
@@ -343,7 +390,9 @@ def backward(
             grad_a.append(None)
             grad_b.append(None)
         if needs_x:
-            grad_x.addmm_(dyb, a_in_dtype if a_in_dtype.dtype == dtype else a_in_dtype.to(dtype), alpha=scale)
+            if cast_a is not None:
+                a = cast_a if columns is None else cast_a[columns]
+            grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
     return grad_x, grad_a, grad_b
 
 

@@ -313,10 +313,39 @@ def _reference_tables(
     ``dy * cos + roll(dy, half) * roll(sign * sin, half)`` (per pair ``dx1 = dy1 cos1 + dy2 sin2``,
     ``dx2 = dy2 cos2 - dy1 sin1``), the same expression with the factor rolled.
     """
+    # Every layer of a forward (and of its backward) reads the same cos / sin objects: the tables are made once and
+    # handed to the rest. The entry keeps its key tensors alive, so no new tensor can take their ids meanwhile, and
+    # their version counters tell an in-place change of the tables.
+    if cos.is_inference() or sin.is_inference() or (position_ids is not None and position_ids.is_inference()):
+        # Inference tensors keep no version counter to validate a kept entry with (inference_mode: a forward only).
+        return _make_tables(cos, sin, position_ids, compute, backward)
+    entry = _TABLES.get(backward)
+    versions = (cos._version, sin._version, None if position_ids is None else position_ids._version)
+    if (
+        entry is not None
+        and entry[0] is cos
+        and entry[1] is sin
+        and entry[2] is position_ids
+        and entry[3] == versions
+        and entry[4] == compute
+    ):
+        return entry[5]
+    tables = _make_tables(cos, sin, position_ids, compute, backward)
+    _TABLES[backward] = (cos, sin, position_ids, versions, compute, tables)
+    return tables
+
+
+def _make_tables(
+    cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, compute: torch.dtype, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = _gather(cos, sin, position_ids)
     cos, sin = cos.to(compute), sin.to(compute)
     factor = sin * _sign(sin.shape[-1], compute, sin.device)
     return cos, (factor.roll(factor.shape[-1] // 2, -1) if backward else factor)
+
+
+# backward flag -> (cos, sin, position_ids, their versions, compute dtype, tables): the latest tables of each kind.
+_TABLES: dict[bool, tuple[Any, ...]] = {}
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

@@ -94,11 +94,12 @@ def lora_model(folder, load_in_4bit: bool = False, **kwargs):
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[str]:
-    """The class name of each fused LoRA Function (QKV, O, MLP) every time its forward runs, in order."""
+    """The class name of each fused LoRA Function (QKV with RoPE, O, MLP) every time its forward runs, in order."""
     import importlib
 
     calls: list[str] = []
-    for module, name in (("lora_qkv", "LoRAQKVFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction")):
+    functions = (("lora_qkv_rope", "LoRAQKVRoPEFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction"))
+    for module, name in functions:
         function = getattr(importlib.import_module(f"fastft.kernels.{module}"), name)
         original = function.forward
 

@@ -147,6 +147,21 @@ def test_the_plan_key_changes_with_everything_choose_reads(monkeypatch):
     assert key not in changed and len(set(changed)) == len(changed)
 
 
+def test_without_the_interpreter_a_cpu_key_holds_only_what_can_change_the_choice(monkeypatch):
+    # Outside the tests' interpreter only the torch reference runs on CPU tensors (choose's first answer), so the
+    # key a group memoises under is the bucket, the dtype and reset's generation; no switch is read per call.
+    monkeypatch.setattr(dispatch, "INTERPRETED", False)
+    x = torch.empty(5, 24)
+    key = gemm_tuner.plan_key(x)
+    with force("triton"):
+        assert gemm_tuner.plan_key(x) == key
+        choice = gemm_tuner.choose("qkv", x, (8,), (2,), False, run=None, check=None)
+    assert choice.candidate == gemm_tuner.CUBLAS
+    assert gemm_tuner.plan_key(torch.empty(9, 24)) != key and gemm_tuner.plan_key(x.half()) != key
+    gemm_tuner.reset()
+    assert gemm_tuner.plan_key(x) != key
+
+
 # The tuner proper, with an injected timer and static check.
 OPTIONS = [
     CUBLAS,

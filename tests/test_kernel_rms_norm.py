@@ -361,3 +361,24 @@ def test_bad_variant_raises(kernel_path, kwargs, message):
     x = torch.ones((2, 64), device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match=message):
         rms_norm(x, torch.ones(64, device=KERNEL_DEVICE), **kwargs)
+
+
+def test_fp32_llama_norm_on_the_cpu_is_one_fused_call_bit_identical(gen, monkeypatch):
+    # torch's fused RMSNorm forward (one call instead of six) where it is bit for bit Llama's: fp32 x and weight.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if rms_norm_module._FUSED_RMS_NORM is None:
+        pytest.skip("this torch has no torch._fused_rms_norm (added in 2.8): the six-op reference runs")
+    calls = []
+    fused = rms_norm_module._FUSED_RMS_NORM
+    monkeypatch.setattr(rms_norm_module, "_FUSED_RMS_NORM", lambda *args: calls.append(1) or fused(*args))
+    monkeypatch.setattr(rms_norm_module, "_PLANS", {})
+    module = LlamaRMSNorm(123, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(random_tensor((123,), torch.float32, gen))
+    with dispatch.force_reference():
+        for dtype in (torch.float32, torch.float16):
+            x = random_tensor((2, 67, 123), dtype, gen)
+            assert torch.equal(rms_norm(x, module.weight.to(dtype), 1e-6), module.to(dtype)(x))
+            module.float()
+    assert len(calls) == 1  # fp16 keeps the reference's rounding

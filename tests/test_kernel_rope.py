@@ -326,3 +326,28 @@ def test_bad_shapes_raise(gen, function, q_shape, k_shape, cos_shape, position_i
     with pytest.raises(ShapeContractError, match=match) as caught:
         function(q, k, cos, sin, position_ids=position_ids)
     assert f"fastft.kernels.rope.{function.__name__}: expected" in str(caught.value)
+
+
+def test_reference_tables_follow_the_tables_they_were_made_from(gen):
+    # The CPU path makes its tables once per cos / sin pair (every layer reads the same ones) and must notice both a
+    # new pair and the same tensors written in place.
+    q = random_tensor((1, 4, 16, 16), torch.float32, gen)
+    k = random_tensor((1, 2, 16, 16), torch.float32, gen)
+    cos, sin = _tables(torch.arange(16)[None], 16, torch.float32)
+    with dispatch.force_reference():
+        first = apply_rope(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(first, apply_rope(q, k, cos, sin), strict=True))
+        shifted_cos, shifted_sin = _tables(torch.arange(3, 19)[None], 16, torch.float32)
+        expected = apply_rotary_pos_emb(q, k, shifted_cos, shifted_sin)
+        for got in (apply_rope(q, k, shifted_cos, shifted_sin), None):
+            if got is None:  # the first tensors, overwritten in place with the new values
+                cos.copy_(shifted_cos)
+                sin.copy_(shifted_sin)
+                got = apply_rope(q, k, cos, sin)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        with torch.inference_mode():
+            # Inference tensors keep no version counter: the tables are made afresh, and still right.
+            frozen_cos, frozen_sin = cos.clone(), sin.clone()
+            for a, b in zip(apply_rope(q, k, frozen_cos, frozen_sin), expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -15,6 +15,7 @@ Each family module defines its subclasses as plain ``class`` statements (so a pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,12 +25,14 @@ from typing import Any
 import torch
 
 from fastft.kernels import (
+    LoRAGroup,
     apply_rope,
     geglu,
     rms_norm,
     swiglu,
 )
 from fastft.kernels.custom_ops import compiling
+from fastft.kernels.lora_qkv_rope import lora_qkv_rope
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.causal_lm import head_reason
 from fastft.patches.fused_groups import fused_mlp, fused_o, fused_packed_qkv, fused_qkv
@@ -188,15 +191,18 @@ def _o_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor
 
 
 class _AttentionPlan:
-    """What an attention module decided: how q / k / v and o run, its attention function, its extra arguments."""
+    """What an attention module decided: how q / k / v and o run, its attention function, its extra arguments, and,
+    where q and k go straight from the fused projection to RoPE (no per-head norms), the one node that does both."""
 
-    __slots__ = ("attention", "extra", "o", "qkv")
+    __slots__ = ("attention", "extra", "o", "qkv", "rotary")
 
     def __init__(self, family: Family, module: torch.nn.Module) -> None:
         self.qkv = _qkv_runner(family, module)
         self.o = _o_runner(family, module)
         self.attention = _interface(family, module)
         self.extra = family.attention_kwargs(module)
+        fused = isinstance(self.qkv, LoRAGroup) and not family.head_norms
+        self.rotary = functools.partial(lora_qkv_rope, self.qkv) if fused else None
 
 
 def _attention_plan(family: Family, module: torch.nn.Module) -> tuple[_AttentionPlan, list[Any]]:
@@ -258,8 +264,11 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
         else:
             stamp = (torch.is_grad_enabled(), self.config._attn_implementation, group_stamp(self, groups))
             plan = planned(self, stamp, lambda: _attention_plan(family, self))
-        query, key, value = _project(family, self, plan.qkv, hidden_states)
-        query, key = _rotate(query, key, cos, sin)
+        if plan.rotary is not None and hidden_states.dim() == 3 and cos.shape[-1] == self.head_dim:
+            query, key, value = plan.rotary(hidden_states, cos, sin, self.head_dim)
+        else:
+            query, key, value = _project(family, self, plan.qkv, hidden_states)
+            query, key = _rotate(query, key, cos, sin)
         if cache is not None:
             if takes_cache_position:
                 # RoPE-aware caches take sin / cos, the static cache its positions.
