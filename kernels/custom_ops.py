@@ -103,18 +103,47 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
 
     That layer walks every argument for functorch wrappers (and, for ``setup_context``-style Functions, binds their
     default arguments through ``inspect``): about 2 µs per call of an eight-argument Function, on every call of every
-    layer. Under functorch transforms (vmap, grad) the full ``apply`` still runs. For classic ``forward(ctx, ...)``
+    layer. Under functorch transforms (vmap, grad) the full ``apply`` still runs. With grad mode off the forward runs
+    directly, on a context that keeps nothing: about 2.5 µs less per call again. For classic ``forward(ctx, ...)``
     Functions, called with every argument.
     """
     fast = super(torch.autograd.Function, function).apply
     full = function.apply
     transforms_active = torch._C._are_functorch_transforms_active
+    grad_enabled = torch.is_grad_enabled
 
     def apply(*args: Any) -> Any:
-        return full(*args) if transforms_active() else fast(*args)
+        if transforms_active():
+            return full(*args)
+        if not grad_enabled():
+            # Nothing will be recorded (checkpointing's forward, trl's reference pass, generation): the forward runs
+            # on a context that keeps nothing, without the node torch would build and drop.
+            return function.forward(_Unrecorded(len(args)), *args)
+        return fast(*args)
 
     apply.__doc__ = f"``{function.__name__}.apply`` (:func:`fastft.kernels.custom_ops.direct_apply`)."
     return apply
+
+
+class _Unrecorded:
+    """The ``ctx`` of a Function's forward that runs with grad mode off: what a forward may call on it does what
+    torch's would there (a dirty tensor's version is bumped), and nothing is kept for a backward that cannot come."""
+
+    def __init__(self, count: int) -> None:
+        self.needs_input_grad = (False,) * count
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            torch.autograd.graph.increment_version(tensor)
 
 
 def registered_ops() -> list[str]:

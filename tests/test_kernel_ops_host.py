@@ -13,7 +13,7 @@ import torch
 from conftest import random_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastft.kernels import apply_rope, dispatch, geglu, rms_norm, swiglu
+from fastft.kernels import apply_rope, custom_ops, dispatch, geglu, rms_norm, swiglu
 from fastft.kernels.errors import ShapeContractError
 
 rms_norm_module = importlib.import_module("fastft.kernels.rms_norm")
@@ -92,6 +92,43 @@ def test_eager_calls_take_the_function_and_few_aten_ops(gen, name):
     assert "aten._local_scalar_dense.default" not in ops
     # A budget, not a target: a change that adds an op to the hot path has to say why here.
     assert sum(ops.values()) <= budget, ops
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_without_grad_the_forward_runs_without_a_node(gen, monkeypatch, name):
+    # Checkpointing's first forward, trl's reference pass: no graph is recorded, so the Function's C++ apply (which
+    # would build a node and drop it) is skipped; the values are the recorded call's, the ops the same.
+    build, _, _ = CASES[name]
+    call, inputs = build(gen)
+    contexts = []
+
+    class Counted(custom_ops._Unrecorded):
+        def __init__(self, count: int) -> None:
+            contexts.append(count)
+            super().__init__(count)
+
+    monkeypatch.setattr(custom_ops, "_Unrecorded", Counted)
+    with dispatch.force_reference():
+        recorded = call()
+        assert not contexts
+        with torch.no_grad(), OpCounter() as unrecorded_ops:
+            unrecorded = call()
+        assert len(contexts) == 1  # the forward ran on the context that keeps nothing
+        with OpCounter() as recorded_ops:
+            call()
+    assert all(out.grad_fn is None and not out.requires_grad for out in unrecorded)
+    assert all(torch.equal(a, b) for a, b in zip(recorded, unrecorded, strict=True))
+    assert unrecorded_ops.ops == recorded_ops.ops
+
+
+def test_without_grad_an_in_place_forward_still_bumps_versions(gen):
+    q, k = (random_tensor(shape, torch.float32, gen) for shape in ((1, 2, 3, 8), (1, 1, 3, 8)))
+    cos, sin = random_tensor((1, 3, 8), torch.float32, gen), random_tensor((1, 3, 8), torch.float32, gen)
+    versions = q._version, k._version
+    with torch.no_grad():
+        rotated = apply_rope(q, k, cos, sin, inplace=True)
+    assert rotated[0] is q and rotated[1] is k
+    assert (q._version, k._version) == (versions[0] + 1, versions[1] + 1)
 
 
 def _counting(monkeypatch, module, name: str) -> list[int]:
