@@ -244,8 +244,15 @@ def function_inputs(projections: Sequence[LoRAWeights]) -> list[Any]:
     ]
 
 
+# One flag read for "is autocast on anywhere" (about 0.1 µs against 0.9 for the per-device questions below); a torch
+# without it asks those on every call.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype when autocast is on for x's device, else None (the fast, common case)."""
+    if not _any_autocast():
+        return None
     device_type = x.device.type
     # meta tensors (the static compile check) have no autocast.
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
