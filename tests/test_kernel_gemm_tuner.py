@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from fastft.kernels import LoRAWeights, compile_check, dispatch, gemm_tuner, lora_qkv, targets
+from fastft.kernels import LoRAWeights, compile_cases, compile_check, dispatch, gemm_tuner, lora_qkv, targets
 from fastft.kernels.gemm_configs import GemmConfig, candidates
 from fastft.kernels.gemm_tuner import CUBLAS, Candidate, force, tune
 
@@ -31,7 +31,7 @@ def _launched_gemms(capability: int, dtype: torch.dtype, nf4: bool = False) -> l
     """The Triton GEMM kernels the three groups launch on a simulated target (forward and backward)."""
     launches: list[compile_check.Launch] = []
     with targets.simulate(capability), compile_check.recording(launches, {}):
-        for _, run in compile_check._groups(MODEL, 8, dtype, nf4):
+        for _, run in compile_cases.groups(MODEL, 8, dtype, nf4):
             run()
     return [launch.kernel for launch in launches if launch.kernel in compile_check.GEMM_KERNELS]
 
@@ -66,8 +66,9 @@ def test_fp32_operands_run_cublas_on_every_target():
 @pytest.mark.parametrize("capability", [80, 86, 89, 90])
 def test_forced_triton_from_8_0_launches_the_fused_gemm(monkeypatch, capability):
     monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
-    # qkv, o, gate_up, down and the biased qkv: one launch each in forward; backward runs torch's matmul.
-    assert _launched_gemms(capability, torch.bfloat16) == ["_lora_gemm_kernel"] * 5
+    # qkv, o, gate_up, down, the biased qkv and attention's qkv + RoPE node: one launch each in forward; backward
+    # runs torch's matmul.
+    assert _launched_gemms(capability, torch.bfloat16) == ["_lora_gemm_kernel"] * 6
     assert {c["path"] for c in gemm_tuner.choices()} == {"triton"}
 
 
