@@ -73,18 +73,8 @@ class LoRAGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: LoRAGroup, *adapters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        count = group._lora_count
         ctx.casts = {}
-        outputs, xa = lora_math.forward(
-            group._spec,
-            x2d,
-            group._weights,
-            group._quant_states,
-            adapters[:count],
-            adapters[count:],
-            group._biases,
-            ctx.casts,
-        )
+        outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
         ctx.group = group
         ctx.x_shape = x.shape
         ctx.save_for_backward(x2d, xa, *adapters)
@@ -97,23 +87,7 @@ class LoRAGroupFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         x2d, xa, *adapters = ctx.saved_tensors
-        group = ctx.group
-        count = group._lora_count
-        needs = ctx.needs_input_grad
-        needs_lora = [needs[2 + j] or needs[2 + count + j] for j in range(count)]
-        grad_x, grad_a, grad_b = lora_math.backward(
-            group._spec,
-            x2d,
-            xa,
-            group._weights,
-            group._quant_states,
-            adapters[:count],
-            adapters[count:],
-            grads,
-            needs[0],
-            needs_lora,
-            ctx.casts,
-        )
+        grad_x, grad_a, grad_b = ctx.group.backward_math(x2d, xa, adapters, grads, ctx.needs_input_grad, 2, ctx.casts)
         if grad_x is not None and len(ctx.x_shape) != 2:
             grad_x = grad_x.view(ctx.x_shape)
         return (grad_x, None, *grad_a, *grad_b)
@@ -269,6 +243,45 @@ class LoRAGroup:
         if compiling():
             return tuple(_op(x, **self.op_arguments(x.dtype), group=self.group)[:-1])
         return self._apply_function(x, self, *self._adapters)
+
+    def forward_math(
+        self, x2d: torch.Tensor, adapters: Sequence[torch.Tensor], casts: dict[str, Any] | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """:func:`lora_math.forward <fastft.kernels.lora_math.forward>` over this group's fixed tensors, for an
+        eager node: ``(outputs, xa)`` of ``x2d [M, K]``; ``adapters`` are its A's then its B's."""
+        count = self._lora_count
+        return lora_math.forward(
+            self._spec, x2d, self._weights, self._quant_states, adapters[:count], adapters[count:], self._biases, casts
+        )
+
+    def backward_math(
+        self,
+        x2d: torch.Tensor,
+        xa: torch.Tensor | None,
+        adapters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        needs: Sequence[bool],
+        first: int,
+        casts: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """:func:`lora_math.backward <fastft.kernels.lora_math.backward>` for the node that ran
+        :meth:`forward_math`: ``needs`` is its ``ctx.needs_input_grad`` (x first) and ``first`` the position of
+        the first A among its inputs."""
+        count = self._lora_count
+        needs_lora = [needs[first + j] or needs[first + count + j] for j in range(count)]
+        return lora_math.backward(
+            self._spec,
+            x2d,
+            xa,
+            self._weights,
+            self._quant_states,
+            adapters[:count],
+            adapters[count:],
+            grads,
+            needs[0],
+            needs_lora,
+            casts,
+        )
 
     def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
         """The group's tensors and layout as the custom op's keyword arguments (see the module docstring)."""

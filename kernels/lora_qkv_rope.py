@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from fastft.kernels import dispatch, lora_math
+from fastft.kernels import dispatch
 from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_projection import autocast_dtype, autocast_off
@@ -47,18 +47,8 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq = x.shape[0], x.shape[1]
         x2d = x.reshape(-1, x.shape[-1])
-        count = group._lora_count
         ctx.casts = {}
-        outputs, xa = lora_math.forward(
-            group._spec,
-            x2d,
-            group._weights,
-            group._quant_states,
-            adapters[:count],
-            adapters[count:],
-            group._biases,
-            ctx.casts,
-        )
+        outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
         q2, k2, v2 = _split(group, outputs)
         # [tokens, heads · head_dim] is [batch, seq, heads, head_dim] in memory; the attention reads it transposed.
         q = q2.view(batch, seq, -1, head_dim).transpose(1, 2)
@@ -106,22 +96,8 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
         if group.split is not None:
             parts = [x2d.new_zeros(tokens, w) if g is None else g for g, w in zip(flat, group.split, strict=True)]
             flat = [torch.cat(parts, dim=1)]
-        count = group._lora_count
-        needs = ctx.needs_input_grad
-        needs_lora = [needs[5 + j] or needs[5 + count + j] for j in range(count)]
-        grad_x, grad_a, grad_b = lora_math.backward(
-            group._spec,
-            x2d,
-            xa,
-            group._weights,
-            group._quant_states,
-            adapters[:count],
-            adapters[count:],
-            flat,
-            needs[0],
-            needs_lora,
-            ctx.casts,
-        )
+        # Inputs: x, group, cos, sin, head_dim, then the A's and B's.
+        grad_x, grad_a, grad_b = group.backward_math(x2d, xa, adapters, flat, ctx.needs_input_grad, 5, ctx.casts)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.shape)
         return (grad_x, None, None, None, None, *grad_a, *grad_b)
