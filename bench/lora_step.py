@@ -58,7 +58,8 @@ SYSTEMS = (PEFT, FASTFT)
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 16
 LOSS_TOLERANCE = 1e-4
-# Node-name fragments of fastft's fused autograd functions, counted in each loss graph.
+# Name prefixes of fastft's fused autograd functions, counted in each loss graph (attention's q / k / v node is
+# LoRAQKVRoPEFunction where RoPE runs in it, LoRAQKVFunction where the family's per-head norms keep it apart).
 FUSED_NODES = ("LoRAQKV", "LoRAO", "LoRAMLP")
 SEED = 0
 
@@ -153,7 +154,10 @@ def saved_for_backward(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[
         "saved_storages": len(saved.storages),
         "packed_parameters_excluded": saved.excluded,
         "graph_nodes": len(nodes),
-        "fused_nodes": {fragment: sum(fragment + "Function" in name for name in nodes) for fragment in FUSED_NODES},
+        "fused_nodes": {
+            prefix: sum(name.startswith(prefix) and name.endswith("FunctionBackward") for name in nodes)
+            for prefix in FUSED_NODES
+        },
     }
 
 
