@@ -25,6 +25,8 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
                                 ``activation="gelu_tanh"`` for Gemma's GeGLU MLP.
 ``lora_gate_up_mlp``            the same over a packed gate_up projection (Phi-3): ``(x, gate_up, down)``.
 ``lora_packed_qkv``             a packed q | k | v projection (Phi-3) in one launch, split at the given widths.
+``lora_qkv_rope``               a q | k | v :class:`LoRAGroup` and RoPE in one autograd node: ``(group, x, cos,
+                                sin, head_dim)`` gives q, k, v per head ``[b, h, s, d]``, q and k rotated.
 ``LoRAGroup``                   one to three projections of the same input, checked once and applied per call
                                 (``group(x)`` returns one output per projection): what a patch holds per layer.
 ``LoRAMLP(gate_up, down, act)`` the fused LoRA-MLP over two :class:`LoRAGroup` s, checked once.
@@ -54,6 +56,7 @@ from fastft.kernels.lora_o import LoRAOFunction, lora_o
 from fastft.kernels.lora_packed_qkv import LoRAPackedQKVFunction, lora_packed_qkv
 from fastft.kernels.lora_projection import LoRAWeights, release_buffers
 from fastft.kernels.lora_qkv import LoRAQKVFunction, lora_qkv
+from fastft.kernels.lora_qkv_rope import LoRAQKVRoPEFunction, lora_qkv_rope
 from fastft.kernels.nf4 import NF4LinearFunction, dequantize_nf4, dequantize_nf4_reference, nf4_linear
 from fastft.kernels.rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
 from fastft.kernels.rope import RoPEFunction, apply_rope, rope_reference
@@ -67,6 +70,7 @@ __all__ = [
     "LoRAOFunction",
     "LoRAPackedQKVFunction",
     "LoRAQKVFunction",
+    "LoRAQKVRoPEFunction",
     "LoRAWeights",
     "LoRAGroup",
     "LoRAMLP",
@@ -90,6 +94,7 @@ __all__ = [
     "lora_o",
     "lora_packed_qkv",
     "lora_qkv",
+    "lora_qkv_rope",
     "nf4_linear",
     "release_buffers",
     "rms_norm",
