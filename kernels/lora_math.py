@@ -168,30 +168,6 @@ def _shapes(spec: Spec, segments: Sequence[int] | None = None) -> list[tuple[int
     return [(spec.widths[i], spec.in_features[i]) for i in indices]
 
 
-def _reference(
-    x2d: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    xa: torch.Tensor | None,
-    lora_b: Sequence[torch.Tensor | None],
-    scales: Sequence[float],
-    biases: Sequence[torch.Tensor | None] | None,
-) -> list[torch.Tensor]:
-    # The cuBLAS path: the base GEMM (the bias through addmm's epilogue), then the low-rank term added in place.
-    outputs, start = [], 0
-    for i, weight in enumerate(weights):
-        bias = None if biases is None else biases[i]
-        out = torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
-        b = lora_b[i]
-        if b is not None:
-            rank = b.shape[1]
-            # A single LoRA segment owns all of xa: no slice.
-            xa_i = xa if rank == xa.shape[1] and start == 0 else xa[:, start : start + rank]
-            out.addmm_(xa_i, b.t(), alpha=scales[i])
-            start += rank
-        outputs.append(out)
-    return outputs
-
-
 def run(
     candidate: Candidate,
     spec: Spec,
@@ -199,17 +175,18 @@ def run(
     weights: Sequence[torch.Tensor],
     quant_states: Sequence[Any],
     xa: torch.Tensor | None,
-    lora_b: Sequence[torch.Tensor | None],
+    lora_b: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None] | None,
 ) -> list[torch.Tensor]:
-    """The group's outputs through one GEMM candidate; ``lora_b`` per segment (None without LoRA), every tensor
-    already in x's dtype."""
+    """The group's outputs through one GEMM candidate; ``lora_b`` the LoRA segments' B's, every tensor already in x's
+    dtype."""
     if candidate.path == "cublas":
-        return _reference(
-            x2d, dense_bases(weights, quant_states, _shapes(spec), x2d.dtype), xa, lora_b, spec.scales, biases
-        )
-    # The Triton kernels index contiguous B's and biases; contiguous() is free on those that already are.
-    lora_b = [None if b is None else b.contiguous() for b in lora_b]
+        if spec.any_packed:
+            weights = dense_bases(weights, quant_states, _shapes(spec), x2d.dtype)
+        return _dense(spec, x2d, weights, xa, lora_b, biases)
+    # The Triton kernels take a B per segment (None without LoRA), contiguous B's and biases; contiguous() is free on
+    # those that already are.
+    lora_b = [None if b is None else b.contiguous() for b in _per_segment(spec, lora_b)]
     biases = None if biases is None else [None if b is None else b.contiguous() for b in biases]
     if candidate.path == "triton-nf4":
         return lora_gemm_nf4_triton(x2d, weights, quant_states, xa, lora_b, spec.scales, candidate.config, biases)
@@ -244,7 +221,7 @@ def plan(
     if candidate is None:
 
         def run_one(option: Candidate) -> list[torch.Tensor]:
-            return run(option, spec, x2d, weights, quant_states, xa, _per_segment(spec, lora_b), biases)
+            return run(option, spec, x2d, weights, quant_states, xa, lora_b, biases)
 
         def check(option: Candidate) -> list[str]:
             return _check(option, x2d)
@@ -287,9 +264,7 @@ def forward(
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
-    if candidate.path == "cublas" and not spec.any_packed:
-        return _dense(spec, x2d, weights, xa, lora_b, biases), xa
-    return run(candidate, spec, x2d, weights, quant_states, xa, _per_segment(spec, lora_b), biases), xa
+    return run(candidate, spec, x2d, weights, quant_states, xa, lora_b, biases), xa
 
 
 def _per_segment(spec: Spec, lora_b: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -305,8 +280,8 @@ def _dense(
     lora_b: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None] | None,
 ) -> list[torch.Tensor]:
-    # The cuBLAS path over dense bases, straight-line (what every eager call of every layer runs): the base GEMM (the
-    # bias through addmm's epilogue), then the low-rank term added in place. _reference is the same for any bases.
+    # The cuBLAS path (NF4 bases dequantised first), straight-line from the segment table: the base GEMM (the bias
+    # through addmm's epilogue), then the low-rank term added in place.
     dtype = x2d.dtype
     outputs = []
     for i, j, columns, scale in spec.segments:
