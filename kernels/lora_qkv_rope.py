@@ -26,9 +26,9 @@ from fastft.kernels.lora_projection import autocast_dtype, autocast_off
 from fastft.kernels.rope import _checked, _compute_dtype, _launch, _reference_tables, _rotate, apply_rope
 
 
-def _split(group: LoRAGroup, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    # A packed q | k | v projection (Phi-3) has one output: its column blocks, as views.
-    return list(outputs[0].split(group.split, dim=1)) if group.split is not None else outputs
+def _per_head(outputs: list[torch.Tensor], batch: int, seq: int, head_dim: int) -> list[torch.Tensor]:
+    # [tokens, heads · head_dim] is [batch, seq, heads, head_dim] in memory; the attention reads it transposed.
+    return [out.view(batch, seq, -1, head_dim).transpose(1, 2) for out in outputs]
 
 
 class LoRAQKVRoPEFunction(torch.autograd.Function):
@@ -49,11 +49,10 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.casts = {}
         outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
-        q2, k2, v2 = _split(group, outputs)
-        # [tokens, heads · head_dim] is [batch, seq, heads, head_dim] in memory; the attention reads it transposed.
-        q = q2.view(batch, seq, -1, head_dim).transpose(1, 2)
-        k = k2.view(batch, seq, -1, head_dim).transpose(1, 2)
-        v = v2.view(batch, seq, -1, head_dim).transpose(1, 2)
+        if group.split is not None:
+            # A packed q | k | v projection (Phi-3) has one output: its column blocks, as views.
+            outputs = outputs[0].split(group.split, dim=1)
+        q, k, v = _per_head(outputs, batch, seq, head_dim)
         _checked("lora_qkv_rope", q, k, cos, sin, None)
         if dispatch.use_triton(q):
             # The buffers are this node's own: rotated where they are, in one launch.
@@ -124,17 +123,17 @@ def lora_qkv_rope(
 
     Raises:
         ShapeContractError: x does not fit the group, or cos / sin do not fit q and k (see ``apply_rope``).
-        TypeError, ValueError: See :meth:`LoRAGroup.check_input`; cos or sin that require grad (ValueError).
+        TypeError, ValueError: See :meth:`LoRAGroup.check_input`.
+
+    Tables that require grad take the unfused chain (the group, then ``apply_rope``'s reference, which differentiates
+    through them).
     """
     if compiling() or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         # Traced: the group's op, views and the rope op. Learnable tables: apply_rope's reference differentiates
         # through them.
-        q2, k2, v2 = group(x)
-        batch, seq = x.shape[0], x.shape[1]
-        q = q2.view(batch, seq, -1, head_dim).transpose(1, 2)
-        k = k2.view(batch, seq, -1, head_dim).transpose(1, 2)
+        q, k, v = _per_head(group(x), x.shape[0], x.shape[1], head_dim)
         q, k = apply_rope(q, k, cos, sin)
-        return q, k, v2.view(batch, seq, -1, head_dim).transpose(1, 2)
+        return q, k, v
     group.check_input(x)
     dtype = autocast_dtype(x)
     if dtype is None:

@@ -226,7 +226,6 @@ def _make_plan(x: torch.Tensor, weight: torch.Tensor, offset: float, cast_before
         and x.dtype == weight.dtype == torch.float32
         and offset == 0.0
         and cast_before_weight
-        and x.dim() >= 1
         and x.shape[-1] > 0
         and x.numel() > 0
     )
