@@ -197,10 +197,39 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--workloads", nargs="+", help="workload names (default: all of the device's)")
-    parser.add_argument("--systems", nargs="+", help="system names (default: all with a path on the device)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (one process per system each)")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        help="system names or family:mode (fastft:True, unsloth:False); with --modes, families (default: the six "
+        "systems of bench/README.md with a path on the device)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternated rounds (one process per system each; 0 with --longest: only the longest-sequence search)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process, after the first step")
-    parser.add_argument("--longest", action="store_true", help="also find each system's longest sequence (GPU)")
+    parser.add_argument(
+        "--modes",
+        action="store_true",
+        help="every system in each checkpointing mode it has (transformers+peft and Liger with and without "
+        'checkpointing, Unsloth False / True / "unsloth", fastft False / True / "offload" / "sqrt"), '
+        "compared mode with mode; --systems then names families",
+    )
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="also search each system's longest batch-1 sequence: one process per system, lengths doubling then "
+        "bisected after the first out-of-memory error, within --longest-budget",
+    )
+    parser.add_argument(
+        "--longest-budget",
+        type=float,
+        metavar="SECONDS",
+        help="seconds each system's search may take, model load included (default: 360 s shared among the "
+        "searches, at least 30 s each); a search it stops reports its length as a lower bound",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model, to check the harness in seconds")
     parser.add_argument("--output-dir", type=Path, help="where the JSON and plot go")
     parser.add_argument("--venv-root", type=Path, help="where competitor venvs are built and reused")
@@ -208,7 +237,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one measurement may take")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--readme", type=Path, help="README whose section for this device gets the new table")
-    parser.add_argument("--readme-from", type=Path, help="only redraw the plot and README section from this JSON")
+    parser.add_argument(
+        "--readme-from",
+        type=Path,
+        help="only redraw the plot and README section from this JSON (its runs read again by this harness)",
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -220,15 +253,21 @@ def _bench(args: argparse.Namespace) -> int:
     root = repository_root()
     readme = args.readme or (root / "bench" / "README.md" if root is not None and not args.quick else None)
     if args.readme_from is not None:
-        from fastft.bench.report import plot, update_readme
+        from fastft.bench.report import evaluate_targets, plot, summarise, update_readme
 
         record = json.loads(args.readme_from.read_text())
-        paths = {"json": args.readme_from, "plot": plot(record, args.readme_from.with_suffix(".png"))}
+        # Read again with this harness (mode-for-mode columns, the floor from the model's shape where the count
+        # failed); the JSON itself stays as its run wrote it.
+        record["summary"] = summarise(record)
+        record["targets"] = evaluate_targets(record)
+        paths = {"json": args.readme_from}
+        if record["runs"]:
+            paths["plot"] = plot(record, args.readme_from.with_suffix(".png"))
         if readme is None:
             print("error: --readme-from needs --readme outside a source checkout", file=sys.stderr)
             return 2
         update_readme(readme, record, paths)
-        print(f"fastft bench: redrew {paths['plot']} and updated {readme}")
+        print(f"fastft bench: redrew {paths.get('plot', 'no plot (no timed runs)')} and updated {readme}")
         return 0
     if args.device is None:
         import torch
@@ -242,6 +281,8 @@ def _bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         quick=args.quick,
         longest=args.longest,
+        longest_budget_s=args.longest_budget,
+        modes=args.modes,
         output_dir=args.output_dir,
         venv_root=args.venv_root,
         rebuild_venvs=args.rebuild_venvs,
@@ -249,8 +290,13 @@ def _bench(args: argparse.Namespace) -> int:
         plot=not args.no_plot,
         readme=readme,
     )
-    if options.rounds < 1 or options.steps < 1:
-        print("error: --rounds and --steps must be at least 1", file=sys.stderr)
+    if options.steps < 1 or options.rounds < (0 if options.longest else 1):
+        print("error: --steps must be at least 1, and --rounds at least 1 (0 only with --longest)", file=sys.stderr)
+        return 2
+    if options.longest_budget_s is not None and options.longest_budget_s <= 0:
+        print(
+            f"error: --longest-budget must be a positive number of seconds, got {args.longest_budget}", file=sys.stderr
+        )
         return 2
     try:
         record = run(options)
@@ -260,6 +306,7 @@ def _bench(args: argparse.Namespace) -> int:
     paths = write(record, options)
     print("fastft bench: wrote " + ", ".join(str(path) for path in paths.values()))
     failed = [row for row in record["summary"] if row["failed"]]
+    failed += [entry for entry in record["longest"] if entry["stopped_by"] == "error"]
     return 1 if failed else 0
 
 

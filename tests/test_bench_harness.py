@@ -151,8 +151,8 @@ def test_gpu_targets_and_a_missing_competitor():
     record = _record(runs, device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
     record["summary"] = report.summarise(record)
     record["longest"] = [
-        {"model": "m", "quant": "none", "system": "fastft+offload", "longest_seq": 65536},
-        {"model": "m", "quant": "none", "system": "unsloth", "longest_seq": 49152},
+        {"model": "m", "quant": "none", "system": "fastft+offload", "longest_seq": 65536, "stopped_by": "time"},
+        {"model": "m", "quant": "none", "system": "unsloth", "longest_seq": 49152, "stopped_by": "oom"},
     ]
     targets = report.evaluate_targets(record)
     by_name = {target["target"]: target for target in targets}
@@ -160,19 +160,6 @@ def test_gpu_targets_and_a_missing_competitor():
     assert by_name["fastft+offload peak_vram_bytes <= 1.0 x unsloth"]["met"] is None
     assert "unsloth" in by_name["fastft+offload peak_vram_bytes <= 1.0 x unsloth"]["reason"]
     assert by_name["fastft+offload longest >= unsloth longest"]["met"] is True
-
-
-def test_longest_sequence_walks_up_until_the_first_out_of_memory():
-    seen = []
-
-    def fits(seq):
-        seen.append(seq)
-        return {"oom": True} if seq > 20000 else {"step_times_s": [1.0]}
-
-    best, probes = harness.longest_sequence(fits)
-    assert best == 16384 and seen == [8192, 12288, 16384, 24576] and probes[-1]["oom"]
-    best, probes = harness.longest_sequence(lambda seq: {"error": "worker exited with 1"})
-    assert best is None and len(probes) == 1
 
 
 def test_unknown_or_unavailable_systems_and_workloads_are_refused_by_name():

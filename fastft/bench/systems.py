@@ -6,33 +6,82 @@ from dataclasses import dataclass
 
 BASELINE = "transformers+peft"
 BASELINE_GC = "transformers+peft+gc"
+# Like-for-like checkpointing classes, in table order: none; the library's own recompute; layer inputs parked in host
+# memory (fastft "offload", Unsloth "unsloth"); fastft's sqrt(n) segments.
+MODE_CLASSES = ("none", "recompute", "offload", "sqrt")
+# The system each class compares fastft with (issue 28's targets: Unsloth in the same mode).
+COMPETITOR_FAMILY = "unsloth"
 
 
 @dataclass(frozen=True)
 class System:
-    """One way to train LoRA: how the worker builds it (``name``), where it runs and what it checkpoints.
+    """One way to train LoRA: the library (``family``), its checkpointing setting (``mode``), where it runs.
 
     Attributes:
         name: The row label, also the worker's key.
-        checkpointing: ``"none"``, ``"recompute"`` (transformers' own) or the system's offloading checkpointer.
+        family: ``"transformers+peft"``, ``"liger"``, ``"unsloth"`` or ``"fastft"``: how the worker builds it.
+        mode: The value the family takes for checkpointing: ``use_gradient_checkpointing`` for Unsloth and fastft
+            (``False``, ``True``, ``"unsloth"``, ``"offload"``, ``"sqrt"``); for transformers + peft and Liger,
+            whether ``gradient_checkpointing_enable`` is called.
+        checkpointing: The like-for-like class of ``mode`` (one of ``MODE_CLASSES``): rows of one class compare.
         venv: ``None`` runs in the harness's own environment; else the key of a competitor venv in ``VENVS``.
         devices: Where the system has a training path (Liger-Kernel has no CPU path).
+        default: Whether a run without ``--systems`` or ``--modes`` includes it (the six systems before modes).
     """
 
     name: str
+    family: str
+    mode: bool | str
     checkpointing: str
     venv: str | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
+    default: bool = True
+
+    @property
+    def mode_label(self) -> str:
+        """``mode`` as the family's users write it: ``False``, ``True`` or a quoted string."""
+        return repr(self.mode) if isinstance(self.mode, bool) else f'"{self.mode}"'
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form kept in a run's settings."""
+        return {
+            "name": self.name,
+            "family": self.family,
+            "mode": self.mode,
+            "checkpointing": self.checkpointing,
+            "venv": self.venv,
+            "devices": list(self.devices),
+        }
 
 
+_LIGER, _UNSLOTH = {"venv": "liger", "devices": ("cuda",)}, {"venv": "unsloth"}
+# In the order ``--modes`` runs them: class by class, so the rows a target compares run close together in time.
 SYSTEMS: tuple[System, ...] = (
-    System(BASELINE, "none"),
-    System(BASELINE_GC, "recompute"),
-    System("liger", "recompute", venv="liger", devices=("cuda",)),
-    System("unsloth", "unsloth offload", venv="unsloth"),
-    System("fastft", "none"),
-    System("fastft+offload", "offload"),
+    System(BASELINE, "transformers+peft", False, "none"),
+    System("liger-nogc", "liger", False, "none", **_LIGER, default=False),
+    System("unsloth-nogc", "unsloth", False, "none", **_UNSLOTH, default=False),
+    System("fastft", "fastft", False, "none"),
+    System(BASELINE_GC, "transformers+peft", True, "recompute"),
+    System("liger", "liger", True, "recompute", **_LIGER),
+    System("unsloth-gc", "unsloth", True, "recompute", **_UNSLOTH, default=False),
+    System("fastft+recompute", "fastft", True, "recompute", default=False),
+    System("unsloth", "unsloth", "unsloth", "offload", **_UNSLOTH),
+    System("fastft+offload", "fastft", "offload", "offload"),
+    System("fastft+sqrt", "fastft", "sqrt", "sqrt", default=False),
 )
+FAMILIES = ("transformers+peft", "liger", "unsloth", "fastft")
+# The default set's order before modes existed (tables and tests of earlier runs follow it).
+_DEFAULT_ORDER = (BASELINE, BASELINE_GC, "liger", "unsloth", "fastft", "fastft+offload")
+
+
+def aliases() -> dict[str, System]:
+    """Every name ``--systems`` accepts: the row names, and ``family:mode`` as the family's users write the mode
+    (``fastft:True``, ``unsloth:False``, ``fastft:offload``, ``unsloth:unsloth``; any case)."""
+    names = {system.name.lower(): system for system in SYSTEMS}
+    for system in SYSTEMS:
+        names[f"{system.family}:{system.mode}".lower()] = system
+    return names
+
 
 # Each competitor's pins. Unsloth 2026.10.9 caps transformers at 5.17 and trl at 1.15; it is installed without its
 # declared dependencies (xformers, torchvision and diffusers are not used for text LoRA and have no CPU wheel here),
@@ -80,23 +129,35 @@ VENVS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def select_systems(device: str, names: list[str] | None) -> list[System]:
-    """The systems with a path on ``device``, narrowed to ``names`` (in the given order) when given.
+def select_systems(device: str, names: list[str] | None, modes: bool = False) -> list[System]:
+    """The systems to run on ``device``.
+
+    Without ``modes``: the default six (or ``names``, in the given order). With ``modes``: every checkpointing mode of
+    each family (of the families ``names`` name, when given: a family or any of its systems), class by class.
 
     Raises:
-        ValueError: An unknown name, or a system with no path on ``device`` (the message says which devices it has).
+        ValueError: An unknown name, or a system named explicitly that has no path on ``device`` (the message says
+            which devices it has).
     """
-    known = {system.name: system for system in SYSTEMS}
-    if not names:
-        return [system for system in SYSTEMS if device in system.devices]
+    known = aliases()
     chosen = []
-    for name in names:
-        if name not in known:
-            raise ValueError(f"fastft bench: unknown system {name!r}; choose from {sorted(known)}")
-        if device not in known[name].devices:
+    for name in names or []:
+        system = known.get(name.lower()) or next((s for s in SYSTEMS if s.family == name.lower()), None)
+        if system is None:
             raise ValueError(
-                f"fastft bench: {name} has no {device} path (it runs on {', '.join(known[name].devices)}); "
-                f"leave it out or pick --device {known[name].devices[0]}"
+                f"fastft bench: unknown system {name!r}; choose from {[s.name for s in SYSTEMS]} (or family:mode, "
+                f"e.g. fastft:True, or with --modes a family: {list(FAMILIES)})"
             )
-        chosen.append(known[name])
-    return chosen
+        if device not in system.devices:
+            raise ValueError(
+                f"fastft bench: {system.name} has no {device} path (it runs on {', '.join(system.devices)}); "
+                f"leave it out or pick --device {system.devices[0]}"
+            )
+        chosen.append(system)
+    if modes:
+        families = {system.family for system in chosen} or set(FAMILIES)
+        return [system for system in SYSTEMS if system.family in families and device in system.devices]
+    if chosen:
+        return chosen
+    defaults = {system.name: system for system in SYSTEMS if system.default and device in system.devices}
+    return [defaults[name] for name in _DEFAULT_ORDER if name in defaults]

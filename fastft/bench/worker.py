@@ -1,13 +1,15 @@
 """One measurement of ``fastft bench``, in a process of its own: build one system, run its steps, print one JSON line.
 
 The harness starts this file with the Python of the system's environment (a competitor's venv has no fastft), so it
-imports nothing of fastft at module level: ``fastft/measure.py`` and ``fastft/environment.py`` are loaded by path,
-and ``fastft`` itself only for the fastft systems.
+imports nothing of fastft at module level: ``fastft/measure.py``, ``fastft/environment.py`` and this folder's
+``longest.py`` and ``gpu_time.py`` are loaded by path, and ``fastft`` itself only for the fastft systems.
 
-    python worker.py --spec '{"system": "fastft", "folder": ..., "dtype": "float32", ...}'
+    python worker.py --spec '{"system": "fastft", "family": "fastft", "mode": "offload", "folder": ..., ...}'
+    python worker.py --spec '{..., "longest": {"start": 8192, "limit": 262144, "granularity": 1024, "budget_s": 60}}'
     python worker.py --matmul-rate cpu float32
 
-The last stdout line starting with ``RESULT_PREFIX`` is the measurement.
+The last stdout line starting with ``RESULT_PREFIX`` is the measurement; a longest-sequence search also prints each
+probe as it is made (``PROBE_PREFIX``), so that a search stopped from outside still leaves what it found.
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
+# Taken at import: a longest-sequence search's budget covers the whole process, model load included.
+_STARTED = time.monotonic()
 RESULT_PREFIX = "FASTFT-BENCH-RESULT "
+PROBE_PREFIX = "FASTFT-BENCH-PROBE "
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_SEED, INPUT_SEED = 1000, 0
 PACKAGES = (
@@ -45,7 +53,10 @@ PACKAGES = (
 
 
 def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_fastft_bench_{name}", _HERE.parent / f"{name}.py")
+    """A fastft module loaded from its file: ``"measure"`` is ``fastft/measure.py``, ``"bench/longest"`` this
+    folder's ``longest.py``."""
+    module_name = "_fastft_bench_" + name.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(module_name, _HERE.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,15 +71,22 @@ def _quantization(dtype: Any) -> Any:
 
 
 def build(spec: dict[str, Any]) -> Any:
-    """Load ``spec["folder"]`` and add LoRA r=16 on the seven projections the way ``spec["system"]`` does."""
-    system, folder, nf4 = spec["system"], spec["folder"], spec["quant"] == "nf4"
-    if system == "unsloth":
+    """Load ``spec["folder"]`` and add LoRA r=16 on the seven projections the way ``spec["family"]`` does, with its
+    checkpointing set to ``spec["mode"]`` (see :class:`fastft.bench.systems.System`).
+
+    Raises:
+        ValueError: An unknown family.
+    """
+    family, mode, folder, nf4 = spec["family"], spec["mode"], spec["folder"], spec["quant"] == "nf4"
+    if family not in ("transformers+peft", "liger", "unsloth", "fastft"):
+        raise ValueError(f"fastft bench worker: unknown family {family!r} in the spec of {spec.get('system')!r}")
+    if family == "unsloth":
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
     import torch
 
     dtype = getattr(torch, spec["dtype"])
     device_map = {"": 0} if spec["device"] == "cuda" else None
-    if system == "unsloth":
+    if family == "unsloth":
         from unsloth import FastLanguageModel
 
         model, _ = FastLanguageModel.from_pretrained(
@@ -81,10 +99,10 @@ def build(spec: dict[str, Any]) -> Any:
             lora_dropout=0,
             bias="none",
             target_modules=list(TARGETS),
-            use_gradient_checkpointing="unsloth",
+            use_gradient_checkpointing=mode,
             random_state=0,
         )
-    elif system.startswith("fastft"):
+    elif family == "fastft":
         from fastft import FastModel
 
         model, _ = FastModel.from_pretrained(
@@ -100,10 +118,10 @@ def build(spec: dict[str, Any]) -> Any:
             lora_alpha=spec["alpha"],
             lora_dropout=0.0,
             target_modules=list(TARGETS),
-            use_gradient_checkpointing="offload" if system == "fastft+offload" else False,
+            use_gradient_checkpointing=mode,
         )
     else:
-        if system == "liger":
+        if family == "liger":
             from liger_kernel.transformers import apply_liger_kernel_to_llama
 
             apply_liger_kernel_to_llama()
@@ -117,7 +135,7 @@ def build(spec: dict[str, Any]) -> Any:
             device_map=device_map,
             quantization_config=_quantization(dtype) if nf4 else None,
         )
-        if system in ("transformers+peft+gc", "liger"):
+        if mode:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         config = LoraConfig(
             r=spec["rank"],
@@ -158,17 +176,28 @@ def set_lora(model: Any) -> dict[str, Any]:
     return {"adapters": count, "lora_checksum": checksum}
 
 
-def _input_ids(spec: dict[str, Any], vocab_size: int) -> Any:
+def _input_ids(spec: dict[str, Any], vocab_size: int, batch: int | None = None, seq: int | None = None) -> Any:
     import torch
 
     generator = torch.Generator().manual_seed(INPUT_SEED)
-    ids = torch.randint(0, vocab_size, (spec["batch"], spec["seq"]), generator=generator)
+    ids = torch.randint(0, vocab_size, (batch or spec["batch"], seq or spec["seq"]), generator=generator)
     return ids.to("cuda" if spec["device"] == "cuda" else "cpu")
 
 
+def _failure(error: BaseException) -> str:
+    """The error's first line for the record; its traceback goes to stderr, whose tail the harness keeps."""
+    traceback.print_exc()
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the system, run the first step (loss, bytes saved for backward), optionally count one step's FLOPs,
-    then time ``spec["steps"]`` steps; report memory and versions."""
+    """Build the system, run the first step (loss, bytes saved for backward), time ``spec["steps"]`` steps, then
+    the extras: on CUDA one profiled step (GPU busy fraction, kernel launches), and the step's FLOPs.
+
+    The extras run after everything measured, and a failure in one is recorded (``profile_error``, ``flops_error``,
+    ``flops_analytic_error``) rather than raised: a FLOP formula or the profiler must never cost the row.
+    """
     measure_module = _load("measure")
     environment = _load("environment")
     started = time.perf_counter()
@@ -198,8 +227,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     record.update(loss=loss.item(), saved_bytes=saved.bytes, saved_bytes_raw=saved.raw_bytes)
     del loss
-    if spec.get("count_flops"):
-        record["flops"] = measure_module.count_flops(step)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -214,15 +241,99 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         record["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
     record["versions"] = environment.package_versions(PACKAGES)
-    if spec["system"].startswith("fastft"):
+    if spec["family"] == "fastft":
         from fastft import patch_report
+        from fastft.checkpoint import get_mode
 
         record["fastft_patches"] = sorted(row["name"] for row in patch_report(model) if row["status"] == "applied")
+        # The mode the model ended up in (None: off), so a row can be checked against the mode it was asked for.
+        record["fastft_checkpointing"] = get_mode(model.get_base_model())
+    record.update(_extras(spec, model, step, statistics.median(times), measure_module))
+    return record
+
+
+def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_module: Any) -> dict[str, Any]:
+    """The profiled step (CUDA) and the FLOP counts, each on its own: a failure is a recorded reason."""
+    extras: dict[str, Any] = {}
+    if spec["device"] == "cuda":
+        try:
+            extras.update(_load("bench/gpu_time").profile_step(step, step_s))
+        except Exception as error:  # noqa: BLE001  (kept in the record; the measured row stands)
+            extras["profile_error"] = _failure(error)
+        finally:
+            model.zero_grad(set_to_none=True)
+    try:
+        extras["flops_analytic"] = measure_module.lora_step_flops(
+            model.config, spec["batch"], spec["seq"], spec["rank"], TARGETS
+        )
+    except Exception as error:  # noqa: BLE001  (a config the formula does not know: the floor uses the count)
+        extras["flops_analytic_error"] = _failure(error)
+    if spec.get("count_flops"):
+        try:
+            extras["flops"] = measure_module.count_flops(step)
+        except Exception as error:  # noqa: BLE001  (torch 2.11's own sdpa formula asserted here on GQA)
+            extras["flops_error"] = _failure(error)
+        finally:
+            model.zero_grad(set_to_none=True)
+    return extras
+
+
+def measure_longest(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the system once, then search the longest batch-1 sequence it trains at (``fastft/bench/longest.py``)
+    until ``spec["longest"]["budget_s"]`` seconds after this process started; each probe is printed as it is made.
+    """
+    longest, settings = _load("bench/longest"), spec["longest"]
+    started = time.perf_counter()
+    model = build(spec)
+    import torch
+
+    cuda = spec["device"] == "cuda"
+    record: dict[str, Any] = {"load_s": time.perf_counter() - started, **set_lora(model)}
+
+    def step(seq: int) -> dict[str, Any]:
+        ids = _input_ids(spec, model.config.vocab_size, batch=1, seq=seq)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        measured = {"step_s": time.perf_counter() - begin, "loss": loss.item()}
+        if cuda:
+            measured["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+        return measured
+
+    def free() -> None:
+        # The failed step's tensors are unreachable by now; the gradients it accumulated are not.
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def report(probe: dict[str, Any]) -> None:
+        print(PROBE_PREFIX + json.dumps(probe), flush=True)
+
+    record.update(
+        longest.search(
+            step,
+            start=settings["start"],
+            limit=settings["limit"],
+            granularity=settings["granularity"],
+            deadline=_STARTED + settings["budget_s"],
+            clock=time.monotonic,
+            free=free,
+            on_probe=report,
+        )
+    )
+    record.update(budget_s=settings["budget_s"], elapsed_s=time.monotonic() - _STARTED)
     return record
 
 
 def _oom(error: BaseException) -> bool:
-    return type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower()
+    return _load("bench/longest").is_out_of_memory(error)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     spec = json.loads(args.spec)
     try:
-        record = measure(spec)
+        record = measure_longest(spec) if "longest" in spec else measure(spec)
     except Exception as error:
         if not _oom(error):
             raise
