@@ -192,13 +192,24 @@ def _reference_kernels_unless_asked(request):
         yield
 
 
+def reference_kernels_everywhere(monkeypatch) -> None:
+    """Send every kernel call to its torch reference until the test ends, backward on CUDA included.
+
+    ``dispatch.force_reference()`` holds in the thread that entered it, and autograd runs the backward of CUDA tensors
+    on a device thread of its own, where it does not (on the H100 the "reference" tests ran their backward through
+    Triton). ``FASTFT_DISABLE_TRITON`` is read at every call, in every thread.
+    """
+    monkeypatch.setenv("FASTFT_DISABLE_TRITON", "1")
+
+
 @pytest.fixture(params=["triton", "reference"])
-def kernel_path(request):
+def kernel_path(request, monkeypatch):
     """Run the test once through the Triton kernels and once through the torch reference, outputs poisoned."""
     from fastft.kernels import dispatch
 
     with dispatch.poison_outputs():
         if request.param == "reference":
+            reference_kernels_everywhere(monkeypatch)
             with dispatch.force_reference():
                 yield request.param
         else:

@@ -15,7 +15,14 @@ import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from conftest import (
+    KERNEL_DEVICE,
+    KERNEL_DTYPES,
+    TOLERANCE,
+    random_tensor,
+    reference_kernels_everywhere,
+    relative_error,
+)
 
 from fastft import ShapeContractError
 from fastft.kernels import dequantize_nf4, dispatch
@@ -411,9 +418,15 @@ def test_function_classes_are_the_graph_nodes(kernel_path, gen):
 # Autocast ----------------------------------------------------------------------------------------------------------
 
 
-def test_autocast_bf16_with_fp32_weights(gen):
-    # The interpreter cannot do bf16 dots (DESIGN.md), so this checks the dtype handling on the reference path:
-    # inputs cast to bf16 as F.linear does under autocast, outputs bf16, gradients in the leaves' fp32.
+# The interpreter cannot do bf16 dots (DESIGN.md): on the CPU the reference path runs under bf16 autocast, on a GPU the
+# compiled Triton kernels as well.
+AUTOCAST_PATHS = ["reference", "triton"] if KERNEL_DEVICE == "cuda" else ["reference"]
+
+
+@pytest.mark.parametrize("path", AUTOCAST_PATHS)
+def test_autocast_bf16_with_fp32_weights(gen, monkeypatch, path):
+    # Inputs cast to bf16 as F.linear does under autocast (on the device the tensors are on), outputs bf16, gradients
+    # in the leaves' fp32.
     dtype, compute = torch.float32, torch.bfloat16
     qkv = qkv_projections(
         dtype, gen, [(4, 2.0), None, (1, 0.5)], nf4=("dense", "dense", "params4bit-nested"), biases=QWEN2_BIAS
@@ -423,8 +436,11 @@ def test_autocast_bf16_with_fp32_weights(gen):
     projections = [*qkv, o, *mlp]
     x = random_tensor((2, 19, HIDDEN), dtype, gen).requires_grad_()
 
-    with dispatch.force_reference(), dispatch.poison_outputs():
-        with torch.autocast("cpu", dtype=compute):
+    if path == "reference":
+        reference_kernels_everywhere(monkeypatch)
+    with dispatch.poison_outputs():
+        assert dispatch.use_triton(x) == (path == "triton")
+        with torch.autocast(KERNEL_DEVICE, dtype=compute):
             q, k, v = lora_qkv(x, *qkv)
             y_o = lora_o(q, o)
             y_mlp = lora_mlp(x, *mlp)
