@@ -103,7 +103,16 @@ def test_reused_nf4_buffer_across_groups_before_backward(kernel_path, gen, dtype
     expected = chain(lambda t: tuple(ref.project(i, t) for i in range(3)), lambda t: ref.project(3, t), mlp64, ref.x)
     torch.autograd.backward(expected, [g.double() for g in grads])
 
-    bound = TOLERANCE[dtype]
+    # Unlike the one-group tests, these values pass through up to three groups (q feeds o, o's output the MLP, whose dX
+    # is o's dY), each rounding to the working dtype, and meet float64 of the whole chain: o's dA carries about six
+    # roundings (q; the MLP's gate / up, dH and dX; dY B; dA itself), amplified on the way. In units of the
+    # dtype's unit roundoff u = eps / 2 (fp16 2^-11, bf16 2^-8), over 500 seeds per order and 16-bit dtype on the
+    # reference path, the largest value checked here was 2.4 u at the median and 4.6 u at most; o's dA against float64
+    # of the inputs o really received, 0.6 u (one rounding alone: 0.4 u). So the kernels are right and the one-group
+    # bound is too tight for a chain (bf16's 1e-2 is 2.6 u: o's dA alone exceeded it for one seed in ten, as the
+    # H100's 1.02e-2 did). 6 u = 3 eps for the 16-bit dtypes (bf16 2.3e-2, fp16 2.9e-3) stays far below the O(1) error of
+    # reading another layer's weights, which is what this test is after.
+    bound = max(TOLERANCE[dtype], 3 * torch.finfo(dtype).eps)
     for out, snapshot, out64 in zip(outputs, snapshots, expected, strict=True):
         assert torch.equal(out, snapshot)  # the later groups' dequantisation did not write into it
         assert relative_error(out, out64) < bound
