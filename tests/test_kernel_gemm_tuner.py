@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from conftest import KERNEL_DEVICE, TOLERANCE, relative_error
 
 from fastft.kernels import LoRAWeights, compile_cases, compile_check, dispatch, gemm_tuner, lora_qkv, targets
 from fastft.kernels.gemm_configs import GemmConfig, candidates
@@ -99,37 +100,59 @@ def test_an_unknown_gemm_mode_is_refused_by_name(monkeypatch):
         gemm_tuner.mode()
 
 
-def test_the_interpreter_runs_the_triton_gemm_unless_cublas_is_forced():
-    if not dispatch.INTERPRETED:
-        pytest.fail("conftest sets TRITON_INTERPRET=1 before fastft.kernels is imported")
+def _triton_device() -> str:
+    """Where this run's tensors take Triton: the GPU, compiled, else the CPU through the interpreter, which conftest
+    turns on (TRITON_INTERPRET=1) unless the run turns it off, as the compiled GPU runs do."""
+    if KERNEL_DEVICE == "cpu" and not dispatch.INTERPRETED:
+        pytest.fail(
+            "test_kernel_gemm_tuner: without a GPU only the Triton interpreter runs the Triton GEMM; keep "
+            "TRITON_INTERPRET=1 (conftest's default) for this run"
+        )
+    return KERNEL_DEVICE
+
+
+def test_the_triton_gemm_runs_where_triton_runs_unless_cublas_is_forced():
+    # On the CPU the interpreter runs Triton, and "auto" takes the Triton GEMM there (checking it is the point). A GPU
+    # compiles it, and "auto" would time it against cuBLAS first, so Triton is forced there: the first configuration
+    # of the device's list runs, or cuBLAS with the reason where there is none (below compute capability 8.0). fp16 on
+    # the GPU: fp32 operands never take a Triton GEMM.
+    device = _triton_device()
+    dtype = torch.float16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 24, generator=g)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g)
+        return torch.randn(*shape, generator=g).to(device, dtype)
 
-    projections = [
-        LoRAWeights(
-            torch.randn(w, 24, generator=g), torch.randn(4, 24, generator=g), torch.randn(w, 4, generator=g), 0.5
-        )
-        for w in (16, 8, 8)
-    ]
-    fused = lora_qkv(x, *projections)
-    assert gemm_tuner.by_group()["qkv"].startswith("triton:32x32x32/w1/s1 (Triton interpreter)")
+    x = randn(5, 24)
+    projections = [LoRAWeights(randn(w, 24), randn(4, 24) / 5, randn(w, 4) / 2, 0.5) for w in (16, 8, 8)]
+    if device == "cpu":
+        fused = lora_qkv(x, *projections)
+        expected = "triton:32x32x32/w1/s1 (Triton interpreter)"
+    else:
+        capability = targets.capability(x.device)
+        options = gemm_tuner.triton_candidates(capability, dtype, packed=False)
+        with force("triton"):
+            fused = lora_qkv(x, *projections)
+        reason = "FASTFT_GEMM=triton" if options else gemm_tuner.no_triton_reason(capability, dtype)
+        expected = f"{options[0].label if options else 'cublas'} ({reason})"
+    assert gemm_tuner.by_group()["qkv"] == expected
     with force("cublas"):
         plain = lora_qkv(x, *projections)
     # On the CPU the cuBLAS path is torch's CPU matmul.
-    assert gemm_tuner.by_group()["qkv"] == "torch matmul (FASTFT_GEMM=cublas)"
+    cublas = "torch matmul" if device == "cpu" else "cublas"
+    assert gemm_tuner.by_group()["qkv"] == f"{cublas} (FASTFT_GEMM=cublas)"
     for a, b in zip(fused, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert relative_error(a, b) < TOLERANCE[dtype]
 
 
 def test_the_plan_key_changes_with_everything_choose_reads(monkeypatch):
-    x = torch.empty(5, 24)
+    # On a device that takes Triton; on CPU tensors without the interpreter the key is shorter (the next test).
+    device = _triton_device()
+    x = torch.empty(5, 24, device=device)
     key = gemm_tuner.plan_key(x)
-    assert gemm_tuner.plan_key(torch.empty(8, 24)) == key  # one bucket: M <= 8
+    assert gemm_tuner.plan_key(torch.empty(8, 24, device=device)) == key  # one bucket: M <= 8
     assert gemm_tuner.rows_bucket(5) == 8 and gemm_tuner.rows_bucket(0) == gemm_tuner.rows_bucket(1) == 1
-    changed = [gemm_tuner.plan_key(torch.empty(9, 24)), gemm_tuner.plan_key(x.half())]
+    changed = [gemm_tuner.plan_key(torch.empty(9, 24, device=device)), gemm_tuner.plan_key(x.half())]
     with force("cublas"):
         changed.append(gemm_tuner.plan_key(x))
     with dispatch.force_reference():

@@ -138,6 +138,7 @@ def test_only_required_gradients(kernel_path, gen, monkeypatch, frozen):
     monkeypatch.setattr(dispatch, "empty", recording_empty)
     out.backward(grad)
 
+    # The reference path allocates nothing through dispatch (torch's own ops make its gradients).
     if frozen == "weight":
         assert weight.grad is None
         assert relative_error(x.grad, dx64) < TOLERANCE[torch.float32]
@@ -147,7 +148,12 @@ def test_only_required_gradients(kernel_path, gen, monkeypatch, frozen):
     else:
         assert x.grad is None
         assert relative_error(weight.grad, dw64) < TOLERANCE[torch.float32]
-        assert all(shape != (1, 67, 123) for shape in allocations)
+        # Only the fp32 dW partial sums, one row per program: how many programs depends on the device (a few under
+        # the interpreter, up to two per SM on a GPU, never more than the 67 rows), so only that bound is checked.
+        if kernel_path == "triton":
+            assert len(allocations) == 1 and allocations[0][1:] == (123,) and 1 <= allocations[0][0] <= 67, allocations
+        else:
+            assert allocations == []
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

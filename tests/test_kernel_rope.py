@@ -139,6 +139,8 @@ def test_gradient_is_the_exact_transpose_for_any_tables(kernel_path, gen, dtype)
 
 
 def _llama_rotary(heads: int, kv_heads: int, head_dim: int) -> LlamaRotaryEmbedding:
+    """transformers' rotary module on the kernel test device, as it sits in a model there: it builds the tables on
+    the device of its inv_freq buffer and its position_ids, which must be where the activations are."""
     config = LlamaConfig(
         # hidden != heads * head_dim (5.23 still wants it divisible by heads): head_dim must come from the config.
         hidden_size=heads * head_dim // 2,
@@ -147,7 +149,7 @@ def _llama_rotary(heads: int, kv_heads: int, head_dim: int) -> LlamaRotaryEmbedd
         head_dim=head_dim,
         max_position_embeddings=128,
     )
-    return LlamaRotaryEmbedding(config)
+    return LlamaRotaryEmbedding(config).to(KERNEL_DEVICE)
 
 
 def test_reference_is_bit_exact_with_transformers(gen):
@@ -155,6 +157,7 @@ def test_reference_is_bit_exact_with_transformers(gen):
     rotary = _llama_rotary(heads, kv_heads, head_dim)
     x = random_tensor((batch, seq, heads * head_dim), torch.float32, gen)
     position_ids = torch.stack([torch.cat([torch.arange(12), torch.arange(25)]), torch.arange(3, 3 + seq)])
+    position_ids = position_ids.to(KERNEL_DEVICE)
     cos, sin = rotary(x, position_ids)
     q, k = _views("transposed", batch, heads, kv_heads, seq, head_dim, torch.float32, gen)
     q, k = q.detach(), k.detach()
@@ -164,14 +167,14 @@ def test_reference_is_bit_exact_with_transformers(gen):
     assert torch.equal(got_q, expected_q)
     assert torch.equal(got_k, expected_k)
 
-    # The Function's CPU path is the same expression.
+    # The Function's reference path (the CPU's, and any device's under force_reference) is the same expression.
     with dispatch.force_reference():
         got_q, got_k = apply_rope(q, k, cos, sin)
     assert torch.equal(got_q, expected_q)
     assert torch.equal(got_k, expected_k)
 
     # Tables for every position, indexed by position_ids: the same bits again.
-    cos_table, sin_table = rotary(x[:1], torch.arange(128)[None])
+    cos_table, sin_table = rotary(x[:1], torch.arange(128, device=KERNEL_DEVICE)[None])
     got_q, got_k = rope_reference(q, k, cos_table[0], sin_table[0], position_ids=position_ids)
     assert torch.equal(got_q, expected_q)
     assert torch.equal(got_k, expected_k)
@@ -182,7 +185,7 @@ def test_kernel_matches_transformers_with_real_rotary(kernel_path, gen, dtype):
     batch, heads, kv_heads, seq, head_dim = 1, 9, 3, 23, 48
     rotary = _llama_rotary(heads, kv_heads, head_dim)
     x = random_tensor((batch, seq, heads * head_dim), dtype, gen)
-    cos, sin = rotary(x, torch.arange(40, 40 + seq)[None])
+    cos, sin = rotary(x, torch.arange(40, 40 + seq, device=KERNEL_DEVICE)[None])
     assert cos.dtype == dtype
     q, k = _views("transposed", batch, heads, kv_heads, seq, head_dim, dtype, gen)
     got = apply_rope(q.detach(), k.detach(), cos, sin)
