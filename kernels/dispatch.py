@@ -49,7 +49,10 @@ except ImportError:  # CPU-only installs (macOS, Windows) run the torch referenc
 # Kernels are decorated at import, and triton decides there whether they are interpreted: read the same switch once.
 INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_state = threading.local()
+# Process-wide, not per thread: autograd runs a CUDA backward on a device thread of its own, and a block that forces
+# the reference path (or poisons outputs) must cover the backward it starts too. Counts, so blocks nest.
+_switches = {"reference": 0, "poison": 0}
+_switch_lock = threading.Lock()
 
 
 # Switches are read at call time (tests and users flip them inside a process), on every kernel call: os.environ.get
@@ -75,7 +78,7 @@ def _disabled_by_environment() -> bool:
 
 
 def _forced_reference() -> bool:
-    return getattr(_state, "reference", False) or _disabled_by_environment()
+    return _switches["reference"] > 0 or _disabled_by_environment()
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -90,14 +93,24 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def force_reference() -> Iterator[None]:
-    """Run every kernel call inside the block on its torch reference, whatever the device."""
-    previous = getattr(_state, "reference", False)
-    _state.reference = True
+def _switched(name: str) -> Iterator[None]:
+    with _switch_lock:
+        _switches[name] += 1
     try:
         yield
     finally:
-        _state.reference = previous
+        with _switch_lock:
+            _switches[name] -= 1
+
+
+@contextlib.contextmanager
+def force_reference() -> Iterator[None]:
+    """Run every kernel call inside the block on its torch reference, whatever the device.
+
+    The switch holds for the whole process while the block is open, autograd's backward threads included.
+    """
+    with _switched("reference"):
+        yield
 
 
 @contextlib.contextmanager
@@ -105,20 +118,16 @@ def poison_outputs() -> Iterator[None]:
     """Fill every buffer a kernel allocates inside the block with NaN (or -1 for integers).
 
     Tests run kernels under this so that an output element the kernel forgot to write fails the comparison
-    instead of passing on whatever the allocator left there.
+    instead of passing on whatever the allocator left there. Process-wide while open, as :func:`force_reference`.
     """
-    previous = getattr(_state, "poison", False)
-    _state.poison = True
-    try:
+    with _switched("poison"):
         yield
-    finally:
-        _state.poison = previous
 
 
 def empty(shape: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.empty`` for kernel outputs: poisoned under :func:`poison_outputs`."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if getattr(_state, "poison", False):
+    if _switches["poison"]:
         out.fill_(math.nan if out.is_floating_point() else -1)
     return out
 

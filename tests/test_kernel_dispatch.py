@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -85,6 +86,31 @@ def test_poisoned_allocation_only_inside_the_block():
     finally:
         torch.Tensor.fill_ = original
     assert filled == []
+
+
+def test_switches_hold_on_other_threads_while_open():
+    # Autograd runs a CUDA backward on a device thread of its own: a block opened on the main thread must reach the
+    # kernels that backward calls (the H100 run's "reference" tests went through Triton there while this was
+    # thread-local).
+    seen = {}
+
+    def probe(key: str) -> None:
+        seen[key] = (
+            dispatch._forced_reference(),
+            bool(torch.isnan(dispatch.empty((2,), dtype=torch.float32, device="cpu")).all()),
+        )
+
+    with dispatch.force_reference(), dispatch.poison_outputs():
+        with dispatch.force_reference():  # nested blocks: the outer one still holds after the inner one closes
+            pass
+        worker = threading.Thread(target=probe, args=("inside",))
+        worker.start()
+        worker.join()
+    worker = threading.Thread(target=probe, args=("after",))
+    worker.start()
+    worker.join()
+    assert seen["inside"] == (True, True)
+    assert seen["after"][0] is False
 
 
 def test_mark_overwritten_makes_other_saved_uses_fail():

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
 from test_kernel_lora import (
     HIDDEN,
     INTERMEDIATE,
@@ -250,6 +250,8 @@ def test_the_gemm_choice_is_made_once_per_key_and_recorded(gen, monkeypatch):
 
     monkeypatch.setattr(gemm_tuner, "choose", counted)
     monkeypatch.delenv(gemm_tuner.GEMM_ENV, raising=False)
+    # The report names the torch matmul as what it is on the device: the CPU's, or cuBLAS on a GPU.
+    matmul = "torch matmul" if KERNEL_DEVICE == "cpu" else "cublas"
     projections = qkv_projections(torch.float32, gen, [(2, 1.0), None, (2, 1.0)])
     group = qkv_group(projections)
     with dispatch.force_reference():
@@ -260,10 +262,10 @@ def test_the_gemm_choice_is_made_once_per_key_and_recorded(gen, monkeypatch):
         assert len(calls) == 2
         gemm_tuner.reset()
         group(random_tensor((9, HIDDEN), torch.float32, gen))
-        assert len(calls) == 3 and gemm_tuner.by_group()["qkv"].startswith("torch matmul")
+        assert len(calls) == 3 and gemm_tuner.by_group()["qkv"].startswith(f"{matmul} (")
     with gemm_tuner.force("cublas"):
         group(random_tensor((9, HIDDEN), torch.float32, gen))
-    assert len(calls) == 4 and gemm_tuner.by_group()["qkv"] == "torch matmul (FASTFT_GEMM=cublas)"
+    assert len(calls) == 4 and gemm_tuner.by_group()["qkv"] == f"{matmul} (FASTFT_GEMM=cublas)"
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gate-up-mlp"])
@@ -556,7 +558,7 @@ def test_one_compiled_graph_serves_every_layer_and_autocast(gen):
     x = random_tensor((2, 5, HIDDEN), torch.float32, gen).requires_grad_()
 
     def run(block: Block, t: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):
             return block(t).float()
 
     torch._dynamo.reset()
