@@ -28,6 +28,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output", required=True, help="output folder")
     parser.add_argument("--model", help="hub id, local folder, or 'smollm2-135m' (embedded)")
+    parser.add_argument(
+        "--tokenizer", help="hub id or folder of the tokenizer, when the --model folder has none (default: --model's)"
+    )
     parser.add_argument("--method", choices=METHODS, help="trl trainer: SFT, DPO, KTO or GRPO")
     parser.add_argument(
         "--data",
@@ -82,6 +85,12 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if not is_main_process():
         return 0 if metrics["completed"] else 130
+    if metrics.get("already_finished"):
+        print(
+            f"fastft train: {args.output} already finished its {metrics['global_step']} steps; nothing trained. "
+            "Pass a larger --max-steps to train further, or --overwrite to start again."
+        )
+        return 0
     if not metrics["completed"]:
         print(
             f"fastft train: stopped at step {metrics['global_step']}; checkpoint saved. "

@@ -8,12 +8,13 @@ import logging
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastft.cli_checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
 from fastft.compile import compile_seconds
 from fastft.data import METHODS, load_rows, prepare_rows
 from fastft.distributed import launch
@@ -28,10 +29,6 @@ VERSIONED = ("fastft", "torch", "transformers", "peft", "trl", "accelerate", "da
 # The logged number that shows a preference / RL run learning: DPO's and KTO's reward margin (chosen minus rejected
 # implicit reward), GRPO's mean reward.
 WATCHED = {"dpo": "rewards/margins", "kto": "rewards/margins", "grpo": "reward"}
-
-
-class OptionsError(ValueError):
-    """Settings of ``fastft train`` that cannot work together (found before the model is loaded)."""
 
 
 @dataclass
@@ -58,6 +55,7 @@ class TrainOptions:
     warmup_steps: int = 2
     save_steps: int = 10
     seed: int = 3407
+    tokenizer: str | None = None
     resume: bool = False
     overwrite: bool = False
     beta: float = 0.1
@@ -106,6 +104,8 @@ def last_complete_checkpoint(output: str | Path) -> str | None:
 
 def _check_output(options: TrainOptions) -> str | None:
     output = Path(options.output)
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"fastft train: --output {output} is a file; pass a folder (it is created if missing).")
     last = last_complete_checkpoint(output)
     if options.resume:
         if last is None:
@@ -223,24 +223,118 @@ def run(options: TrainOptions) -> dict:
         FileNotFoundError: ``options.data`` does not exist.
         FileExistsError: ``options.output`` holds checkpoints and neither ``resume`` nor ``overwrite`` is set.
         fastft.data.DataError: The data cannot be read, or lacks the method's columns.
-        OptionsError: An unknown method, or settings the method's trainer refuses.
-        (All of them before the model is loaded.)
+        FileNotFoundError: A local ``options.model`` folder without config.json, weights or (with no
+            ``options.tokenizer``) tokenizer files.
+        OptionsError: An unknown method, a number out of range (:func:`fastft.cli_checks.check_numbers`), or
+            settings the method's trainer refuses.
+        (All of them before the model is loaded and before ``options.output`` is created.)
+
+    A ``batch_size`` larger than the data is clamped to it, with one warning; ``metrics["options"]`` records the
+    batch size trained with, ``metrics["batch_size_requested"]`` the one asked for. With ``resume`` on a run whose
+    metrics.json says it finished ``max_steps`` steps, nothing is trained and its metrics come back with
+    ``"already_finished": True``.
     """
     if options.method not in METHODS:
         raise OptionsError(f"fastft train: unknown --method {options.method!r}; choose one of {', '.join(METHODS)}.")
+    check_numbers(options)
     job = launch()
     resume_from = _check_output(options)
+    finished = _finished_metrics(options)
+    if finished is not None:
+        return finished
     # Bad --data or settings fail here, before model loading and before --output exists.
-    rows = load_rows(options.data, options.method)
+    rows = _read_rows(options)
+    check_model(options.model, options.tokenizer, options.seq_len)
+    requested_batch = options.batch_size
+    options = _fit_batch(options, rows)
     output = Path(options.output)
     dtype = resolve_dtype(options.dtype)
     config = _config(options, output, dtype)
     model, tokenizer = FastModel.from_pretrained(
-        options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
+        options.model,
+        max_seq_length=options.seq_len,
+        dtype=dtype,
+        load_in_4bit=options.load_in_4bit,
+        tokenizer_name=options.tokenizer,
     )
-    # Created once the model has loaded, so a bad --model leaves no empty output folder behind.
+    # Created once the model has loaded, so a bad --model leaves no empty output folder behind; removed again when
+    # the run fails before writing anything into it.
+    created = job.is_main and not output.exists()
     if job.is_main:
         output.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train(options, job, model, tokenizer, rows, config, resume_from, dtype, requested_batch)
+    except BaseException:
+        if created and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()
+        raise
+
+
+def _read_rows(options: TrainOptions) -> Any:
+    """``--data``'s rows, each line of a JSON lines file and each row's fields checked (:mod:`fastft.cli_checks`)."""
+    path = Path(options.data) if options.data not in (None, "demo") else None
+    lines = None
+    if path is not None and path.suffix.lower() == ".jsonl" and path.is_file():
+        lines = check_json_lines(path)
+    rows = load_rows(options.data, options.method)
+    check_rows(rows, options.method, options.data or "demo", lines)
+    return rows
+
+
+def _fit_batch(options: TrainOptions, rows: Any) -> TrainOptions:
+    """``options`` with ``batch_size`` clamped to the number of examples: the trainer would otherwise train on smaller
+    batches than the one metrics.json records. GRPO's batch counts completions, not rows, and is left as it is."""
+    examples = len(rows)
+    if options.method == "kto" and "label" not in rows.column_names:
+        examples *= 2  # each preference pair becomes a desirable and an undesirable example
+    if options.method == "grpo" or options.batch_size <= examples:
+        return options
+    logger.warning(
+        "fastft train: --batch-size %d is more than the %d examples of the data; training on batches of %d "
+        "(metrics.json records batch_size %d). Pass --batch-size %d or less, or more data, to silence this.",
+        options.batch_size,
+        examples,
+        examples,
+        examples,
+        examples,
+    )
+    return replace(options, batch_size=examples)
+
+
+def _finished_metrics(options: TrainOptions) -> dict | None:
+    """With ``--resume``, the metrics of a run that already reached ``--max-steps``, which is then not trained again;
+    ``None`` when there is something left to train."""
+    metrics_file = Path(options.output) / "metrics.json"
+    if not options.resume or options.max_steps <= 0 or not metrics_file.is_file():
+        return None
+    metrics = json.loads(metrics_file.read_text())
+    done = metrics.get("global_step", 0)
+    # A run stopped by a signal has completed false and its adapter unsaved: resuming it trains the rest.
+    if not metrics.get("completed") or done < options.max_steps:
+        return None
+    logger.warning(
+        "fastft train: %s already finished (%d steps of --max-steps %d); nothing to resume. Pass a larger "
+        "--max-steps to train further, or --overwrite to start again.",
+        options.output,
+        done,
+        options.max_steps,
+    )
+    return {**metrics, "already_finished": True}
+
+
+def _train(
+    options: TrainOptions,
+    job: Any,
+    model: Any,
+    tokenizer: Any,
+    rows: Any,
+    config: Any,
+    resume_from: str | None,
+    dtype: torch.dtype,
+    requested_batch: int,
+) -> dict:
+    """Add the adapter, train, and write the adapter, metrics.json and loss.png (the second half of :func:`run`)."""
+    output = Path(options.output)
     model = FastModel.get_peft_model(
         model,
         r=options.r,
@@ -278,6 +372,7 @@ def run(options: TrainOptions) -> dict:
         "compile_s": compile_seconds() - compiling_before if options.compile else None,
         "resumed_from": Path(resume_from).name if resume_from else None,
         "options": asdict(options),
+        "batch_size_requested": requested_batch,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device_name(),
         "processes": job.world_size,
