@@ -157,9 +157,18 @@ def _export(args: argparse.Namespace) -> int:
         base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
             raise ValueError(f"fastft export: {adapter}/adapter_config.json names no base_model_name_or_path.")
-        parse_shard_size(args.max_shard_size, where="fastft export --max-shard-size")
+        try:
+            parse_shard_size(args.max_shard_size, where="fastft export")
+        except ValueError as error:
+            # The library's message names the Python argument; the user typed the flag.
+            raise ValueError(
+                f"fastft export: --max-shard-size {args.max_shard_size!r} is not a positive size; pass a size such "
+                "as 5GB, 500MB or 2GiB, or a number of bytes."
+            ) from error
         if args.merged is not None:
-            check_target(args.merged.expanduser(), args.overwrite, where="fastft export --merged")
+            check_target(
+                args.merged.expanduser(), args.overwrite, where="fastft export --merged", overwrite_name="--overwrite"
+            )
         if args.gguf is not None and args.gguf.suffix.lower() == ".gguf" and args.gguf.is_dir():
             raise FileExistsError(f"fastft export: --gguf {args.gguf} is a folder; pass a .gguf file name.")
     except (FileNotFoundError, FileExistsError, ValueError) as error:

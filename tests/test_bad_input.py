@@ -377,8 +377,8 @@ def test_save_gguf_refuses_a_quantization_it_does_not_write(base_model, smol_tok
     [
         ("missing", ["--merged", "{merged}"], "does not exist"),
         ("no-config", ["--merged", "{merged}"], "has no adapter_config.json"),
-        ("non-empty-merged", ["--merged", "{merged}"], "pass overwrite=True"),
-        ("adapter", ["--merged", "{merged}", "--max-shard-size", "lots"], "max_shard_size='lots'"),
+        ("non-empty-merged", ["--merged", "{merged}"], "pass --overwrite to replace it"),
+        ("adapter", ["--merged", "{merged}", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not"),
         ("adapter", [], "nothing to write; pass --merged DIR, --gguf FILE, or both"),
     ],
     ids=["missing", "no-adapter-config", "non-empty-merged", "bad-shard-size", "no-output"],
