@@ -20,6 +20,7 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from fastft.file_modes import as_if_created
 from fastft.merge import MergedTensor, MergePlan, merge_plan
 from fastft.patches.causal_lm import unpatched_class
 from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
@@ -198,6 +199,7 @@ def save_merged(
             write_index(staging, files, metadata, plan.parameters)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        as_if_created(staging, recursive=True)
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -19,6 +19,7 @@ from fastft.compile import compile_seconds
 from fastft.data import METHODS, load_rows, prepare_rows
 from fastft.distributed import launch
 from fastft.environment import package_versions
+from fastft.file_modes import as_if_created
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
 from fastft.plot import plot_loss
 from fastft.trl import StopOnSignal, answer_reward, dpo_config, grpo_config, kto_config, loss_history, sft_config
@@ -335,6 +336,7 @@ def _train(
 ) -> dict:
     """Add the adapter, train, and write the adapter, metrics.json and loss.png (the second half of :func:`run`)."""
     output = Path(options.output)
+    wall_start = time.time() - 1  # coarse file-system clocks: a file written in this second may stamp the last one
     model = FastModel.get_peft_model(
         model,
         r=options.r,
@@ -388,4 +390,9 @@ def _train(
             if options.method != "sft":
                 title = f"fastft train --method {options.method}: {options.model}"
             plot_loss([row["step"] for row in history], losses, output / "loss.png", title)
+        # safetensors writes the adapter and the checkpoints' weights through a 0600 temporary file. Only what this
+        # run wrote is touched: --output may be a folder that holds the user's own files too.
+        for item in output.iterdir():
+            if item.stat().st_mtime >= wall_start and (item.is_file() or item.name.startswith("checkpoint-")):
+                as_if_created(item, recursive=True)
     return metrics

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
+
+from fastft.file_modes import current_umask
 
 FASTFT = [sys.executable, "-m", "fastft.cli"]
 
@@ -38,6 +41,12 @@ def test_resume_runs_to_exactly_max_steps_and_a_finished_run_is_left_alone(tiny_
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["options"]["batch_size"] == 3 and metrics["batch_size_requested"] == 8
     assert metrics["global_step"] == 4 and _checkpoints(output) == [2, 4]
+    # safetensors' 0600 temporary files are given the mode the umask gives new files (0644 under umask 022).
+    expected = 0o666 & ~current_umask()
+    written = [output / "adapter_model.safetensors", *(output / "checkpoint-4").iterdir()]
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in written if path.is_file()} == {
+        path.name: expected for path in written if path.is_file()
+    }
 
     resumed = _run([*common, "--max-steps", "8", "--resume"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
