@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastft.base_names import public_base_name
 from fastft.cli_checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
 from fastft.compile import compile_seconds
 from fastft.data import METHODS, load_rows, prepare_rows
@@ -21,6 +22,7 @@ from fastft.distributed import launch
 from fastft.environment import package_versions
 from fastft.file_modes import as_if_created
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
+from fastft.model_card import model_card
 from fastft.plot import plot_loss
 from fastft.trl import StopOnSignal, answer_reward, dpo_config, grpo_config, kto_config, loss_history, sft_config
 
@@ -382,8 +384,16 @@ def _train(
     }
     if trainer.is_world_process_zero():
         if completed:
+            base = public_base_name(options.model)
+            if base is not None:
+                # Not the cache folder the embedded model loads from, which exists on this machine only.
+                for adapter in model.peft_config.values():
+                    adapter.base_model_name_or_path = base
             model.save_pretrained(output)
             tokenizer.save_pretrained(output)
+            base = model.peft_config["default"].base_model_name_or_path
+            card = model_card(base, options.method, output, trainer.state.global_step)
+            (output / "README.md").write_text(card)
         (output / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         if losses:
             title = f"fastft train: {options.model}"

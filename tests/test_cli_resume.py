@@ -41,6 +41,8 @@ def test_resume_runs_to_exactly_max_steps_and_a_finished_run_is_left_alone(tiny_
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["options"]["batch_size"] == 3 and metrics["batch_size_requested"] == 8
     assert metrics["global_step"] == 4 and _checkpoints(output) == [2, 4]
+    card = (output / "README.md").read_text()
+    assert f"base_model: {tiny_llama_dir}" in card and "[None]" not in card and 'model="None"' not in card
     # safetensors' 0600 temporary files are given the mode the umask gives new files (0644 under umask 022).
     expected = 0o666 & ~current_umask()
     written = [output / "adapter_model.safetensors", *(output / "checkpoint-4").iterdir()]
