@@ -171,6 +171,16 @@ def _export(args: argparse.Namespace) -> int:
             )
         if args.gguf is not None and args.gguf.suffix.lower() == ".gguf" and args.gguf.is_dir():
             raise FileExistsError(f"fastft export: --gguf {args.gguf} is a folder; pass a .gguf file name.")
+        if args.gguf is not None:
+            folder = args.gguf.expanduser() if args.gguf.suffix.lower() != ".gguf" else args.gguf.expanduser().parent
+            if (folder / "adapter_config.json").is_file():
+                # transformers' from_pretrained(folder, gguf_file=...) follows adapter_config.json to the base model
+                # and looks for the GGUF there, so a GGUF beside an adapter cannot be reloaded.
+                raise ValueError(
+                    f"fastft export: --gguf {args.gguf} would go into the adapter folder {folder}, from which "
+                    "transformers cannot reload it (it follows adapter_config.json to the base model); pass a path "
+                    f"in a folder of its own, e.g. --gguf {folder.name}-gguf/model.gguf."
+                )
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         # Checked before the base model loads, so a typo costs seconds, not a model load.
         print(f"error: {error}", file=sys.stderr)
