@@ -366,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "bench":
         return _bench(args)
+    if args.output is not None and not args.compile:
+        print(
+            f"error: fastft doctor: --output {args.output} is where --compile writes its JSON, and --compile was not "
+            "given; add --compile, or leave --output out.",
+            file=sys.stderr,
+        )
+        return 2
     from fastft.doctor import report
 
     print(report())

@@ -109,7 +109,10 @@ def load_rows(data: str | None, method: str | None = None) -> Dataset:
     else:
         loader = _LOADERS.get(path.suffix.lower())
         if loader is None:
-            raise DataError(f"fastft train: cannot read {path.name}; use one of {sorted(_LOADERS)}.")
+            raise DataError(
+                f"fastft train: --data {path} has the suffix {path.suffix or '(none)'!r}, which fastft cannot read; "
+                f"save it as one of {sorted(_LOADERS)}, or pass a Dataset.save_to_disk folder."
+            )
         try:
             dataset = load_dataset(loader, data_files=str(path), split="train")
         except Exception as error:  # noqa: BLE001 - datasets wraps every reader's failure in its own types

@@ -181,3 +181,24 @@ def test_resume_of_a_finished_run_trains_nothing(tmp_path, capsys, no_loading):
     assert code == 0, captured.err
     assert "already finished its 5 steps; nothing trained" in captured.out
     assert sorted(path.name for path in output.iterdir()) == ["checkpoint-5", "metrics.json"]
+
+
+def test_data_of_an_unknown_type_names_the_flag(tmp_path, capsys, no_loading):
+    data = tmp_path / "rows.xlsx"
+    data.write_text("a table")
+    line = _refused(tmp_path, capsys, "--data", str(data))
+    assert f"--data {data} has the suffix '.xlsx'" in line and "'.jsonl'" in line
+
+
+def test_a_csv_row_missing_its_text_is_named(tmp_path, capsys, no_loading):
+    data = tmp_path / "rows.csv"
+    data.write_text("text,source\nfirst,a\n,b\n")
+    line = _refused(tmp_path, capsys, "--data", str(data))
+    assert f'--data {data} row 2 has no "text"' in line
+
+
+def test_doctor_output_without_compile_is_refused(tmp_path, capsys):
+    code = cli.main(["doctor", "--output", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: fastft doctor: --output" in err and "add --compile" in err
+    assert not (tmp_path / "c.json").exists()
