@@ -8,6 +8,8 @@ import logging
 import platform
 import re
 import time
+import warnings
+from collections.abc import Sized
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -339,18 +341,29 @@ def _train(
     """Add the adapter, train, and write the adapter, metrics.json and loss.png (the second half of :func:`run`)."""
     output = Path(options.output)
     wall_start = time.time() - 1  # coarse file-system clocks: a file written in this second may stamp the last one
-    model = FastModel.get_peft_model(
-        model,
-        r=options.r,
-        lora_alpha=options.lora_alpha,
-        lora_dropout=options.lora_dropout,
-        use_gradient_checkpointing=options.gradient_checkpointing,
-        random_state=options.seed,
-        compile=options.compile,
-    )
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads transformers' deprecated is_gradient_checkpointing (transformers >= 5.23);
+        # the FutureWarning is peft's to fix and names nothing a fastft user can change.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = FastModel.get_peft_model(
+            model,
+            r=options.r,
+            lora_alpha=options.lora_alpha,
+            lora_dropout=options.lora_dropout,
+            use_gradient_checkpointing=options.gradient_checkpointing,
+            random_state=options.seed,
+            compile=options.compile,
+        )
     dataset = prepare_rows(rows, options.method, tokenizer)
     stopper = StopOnSignal()
     trainer = _trainer(options, model, tokenizer, dataset, config, [stopper])
+    if isinstance(trainer.train_dataset, Sized) and len(trainer.train_dataset) == 0:
+        # trl drops examples left with nothing to learn from once cut to --seq-len (a prompt that fills it all).
+        raise OptionsError(
+            f"fastft train: none of the {len(rows)} examples of --data {options.data or 'demo'} is left to train on "
+            f"at --seq-len {options.seq_len} (each is cut to that many tokens, prompt and chat template included); "
+            "pass a larger --seq-len, e.g. --seq-len 256, or shorter examples."
+        )
     # trl casts the trained weights of a 4-bit model to bf16 while building the trainer; an fp16 run (GPUs below
     # compute capability 8.0) keeps them in fp32 for its gradient scaler. The optimizer is only built in train().
     keep_trainable_fp32(model)

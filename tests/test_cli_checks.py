@@ -202,3 +202,10 @@ def test_doctor_output_without_compile_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "error: fastft doctor: --output" in err and "add --compile" in err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_seq_len_that_leaves_no_example_is_named(tmp_path, capsys, tiny_llama_dir):
+    # Found only once the tokenizer has cut the examples, so the model has loaded; the folder is still removed.
+    data = _jsonl(tmp_path / "qa.jsonl", [{"instruction": "Say something long. " * 20, "response": "ok"}] * 2)
+    line = _refused(tmp_path, capsys, "--model", str(tiny_llama_dir), "--data", str(data), "--seq-len", "8")
+    assert "none of the 2 examples" in line and "at --seq-len 8" in line and "pass a larger --seq-len" in line
