@@ -317,7 +317,7 @@ def test_train_with_a_missing_model_leaves_no_output_folder(sandbox, nothing_loa
     from fastft.train import TrainOptions, run
 
     output = sandbox / "out"
-    with pytest.raises(FileNotFoundError, match="model_name=.*does not exist"):
+    with pytest.raises(FileNotFoundError, match="--model .* does not exist"):
         run(TrainOptions(output=str(output), model=str(sandbox / "no-model")))
     assert not output.exists()
 
