@@ -28,6 +28,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output", required=True, help="output folder")
     parser.add_argument("--model", help="hub id, local folder, or 'smollm2-135m' (embedded)")
+    parser.add_argument(
+        "--tokenizer", help="hub id or folder of the tokenizer, when the --model folder has none (default: --model's)"
+    )
     parser.add_argument("--method", choices=METHODS, help="trl trainer: SFT, DPO, KTO or GRPO")
     parser.add_argument(
         "--data",
@@ -82,6 +85,12 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if not is_main_process():
         return 0 if metrics["completed"] else 130
+    if metrics.get("already_finished"):
+        print(
+            f"fastft train: {args.output} already finished its {metrics['global_step']} steps; nothing trained. "
+            "Pass a larger --max-steps to train further, or --overwrite to start again."
+        )
+        return 0
     if not metrics["completed"]:
         print(
             f"fastft train: stopped at step {metrics['global_step']}; checkpoint saved. "
@@ -148,11 +157,30 @@ def _export(args: argparse.Namespace) -> int:
         base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
             raise ValueError(f"fastft export: {adapter}/adapter_config.json names no base_model_name_or_path.")
-        parse_shard_size(args.max_shard_size, where="fastft export --max-shard-size")
+        try:
+            parse_shard_size(args.max_shard_size, where="fastft export")
+        except ValueError as error:
+            # The library's message names the Python argument; the user typed the flag.
+            raise ValueError(
+                f"fastft export: --max-shard-size {args.max_shard_size!r} is not a positive size; pass a size such "
+                "as 5GB, 500MB or 2GiB, or a number of bytes."
+            ) from error
         if args.merged is not None:
-            check_target(args.merged.expanduser(), args.overwrite, where="fastft export --merged")
+            check_target(
+                args.merged.expanduser(), args.overwrite, where="fastft export --merged", overwrite_name="--overwrite"
+            )
         if args.gguf is not None and args.gguf.suffix.lower() == ".gguf" and args.gguf.is_dir():
             raise FileExistsError(f"fastft export: --gguf {args.gguf} is a folder; pass a .gguf file name.")
+        if args.gguf is not None:
+            folder = args.gguf.expanduser() if args.gguf.suffix.lower() != ".gguf" else args.gguf.expanduser().parent
+            if (folder / "adapter_config.json").is_file():
+                # transformers' from_pretrained(folder, gguf_file=...) follows adapter_config.json to the base model
+                # and looks for the GGUF there, so a GGUF beside an adapter cannot be reloaded.
+                raise ValueError(
+                    f"fastft export: --gguf {args.gguf} would go into the adapter folder {folder}, from which "
+                    "transformers cannot reload it (it follows adapter_config.json to the base model); pass a path "
+                    f"in a folder of its own, e.g. --gguf {folder.name}-gguf/model.gguf."
+                )
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         # Checked before the base model loads, so a typo costs seconds, not a model load.
         print(f"error: {error}", file=sys.stderr)
@@ -338,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "bench":
         return _bench(args)
+    if args.output is not None and not args.compile:
+        print(
+            f"error: fastft doctor: --output {args.output} is where --compile writes its JSON, and --compile was not "
+            "given; add --compile, or leave --output out.",
+            file=sys.stderr,
+        )
+        return 2
     from fastft.doctor import report
 
     print(report())

@@ -109,8 +109,20 @@ def load_rows(data: str | None, method: str | None = None) -> Dataset:
     else:
         loader = _LOADERS.get(path.suffix.lower())
         if loader is None:
-            raise DataError(f"fastft train: cannot read {path.name}; use one of {sorted(_LOADERS)}.")
-        dataset = load_dataset(loader, data_files=str(path), split="train")
+            raise DataError(
+                f"fastft train: --data {path} has the suffix {path.suffix or '(none)'!r}, which fastft cannot read; "
+                f"save it as one of {sorted(_LOADERS)}, or pass a Dataset.save_to_disk folder."
+            )
+        try:
+            dataset = load_dataset(loader, data_files=str(path), split="train")
+        except Exception as error:  # noqa: BLE001 - datasets wraps every reader's failure in its own types
+            # The reader's traceback runs to dozens of lines of pyarrow internals; its last message is what helps.
+            cause = error.__cause__ or error
+            raise DataError(
+                f"fastft train: --data {path} cannot be read as {path.suffix.lower()} ({type(cause).__name__}: "
+                f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else 'no message'}); fix the file, or "
+                f"save it in one of {sorted(_LOADERS)}."
+            ) from error
     if len(dataset) == 0:
         raise DataError(f"fastft train: {path} holds no rows.")
     if method is not None:

@@ -36,6 +36,7 @@ from peft import PeftModel
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastft.file_modes import as_if_created
 from fastft.merge import MergedTensor, merge_plan
 from fastft.shards import BLOCK_ELEMENTS, check_block
 
@@ -491,6 +492,7 @@ def save_gguf(
         with open(partial_name, "rb") as handle:
             # On disk before the rename, so that a power loss cannot leave the final name on a truncated file.
             os.fsync(handle.fileno())
+        as_if_created(partial_name)
         os.replace(partial_name, out)
     except BaseException:
         if writer is not None:

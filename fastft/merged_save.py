@@ -20,6 +20,7 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from fastft.file_modes import as_if_created
 from fastft.merge import MergedTensor, MergePlan, merge_plan
 from fastft.patches.causal_lm import unpatched_class
 from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
@@ -51,8 +52,16 @@ def resolve_save_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-def check_target(target: Path, overwrite: bool, where: str = "fastft.save_merged") -> None:
+def check_target(
+    target: Path, overwrite: bool, where: str = "fastft.save_merged", overwrite_name: str = "overwrite=True"
+) -> None:
     """Refuse a target that is a file, or a non-empty folder without ``overwrite=True``, before anything is written.
+
+    Args:
+        target: The folder to write.
+        overwrite: Whether a non-empty folder may be replaced.
+        where: The entry point and argument, first in the message.
+        overwrite_name: How the caller spells the override (``"--overwrite"`` on the command line).
 
     Raises:
         FileExistsError: The target is a file, or a folder with files in it and ``overwrite`` is false.
@@ -61,7 +70,7 @@ def check_target(target: Path, overwrite: bool, where: str = "fastft.save_merged
         raise FileExistsError(f"{where}: {target} is a file; pass a folder path (it is created if missing).")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(
-            f"{where}: {target} already exists and is not empty; pass overwrite=True to replace it (the old folder "
+            f"{where}: {target} already exists and is not empty; pass {overwrite_name} to replace it (the old folder "
             "is removed only once the new one is complete), or choose another folder."
         )
 
@@ -190,6 +199,7 @@ def save_merged(
             write_index(staging, files, metadata, plan.parameters)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        as_if_created(staging, recursive=True)
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from fastft import checkpoint, distributed, patches  # noqa: F401  (patches: registers the built-in ones)
+from fastft.base_names import embedded_alias
 from fastft.compile import compile_layers
 from fastft.contracts import (
     check_adapter_tensors,
@@ -542,6 +543,9 @@ class FastModel:
             f"hub id or folder>); model = FastModel.load_adapter(model, {source!r}). Or set base_model_name_or_path "
             f"in {adapter_config} to where the base is now."
         )
+        # An adapter of the embedded model names its hub id (fastft.base_names); the embedded copy is what it was
+        # trained on, and loads without the hub.
+        base_name = embedded_alias(base_name) or base_name
         base_path = Path(base_name).expanduser()
         if looks_like_path(base_name) and not base_path.exists():
             raise FileNotFoundError(

@@ -8,17 +8,23 @@ import logging
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Sized
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastft.base_names import public_base_name
+from fastft.cli_checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
 from fastft.compile import compile_seconds
 from fastft.data import METHODS, load_rows, prepare_rows
 from fastft.distributed import launch
 from fastft.environment import package_versions
+from fastft.file_modes import as_if_created
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
+from fastft.model_card import model_card
 from fastft.plot import plot_loss
 from fastft.trl import StopOnSignal, answer_reward, dpo_config, grpo_config, kto_config, loss_history, sft_config
 
@@ -28,10 +34,6 @@ VERSIONED = ("fastft", "torch", "transformers", "peft", "trl", "accelerate", "da
 # The logged number that shows a preference / RL run learning: DPO's and KTO's reward margin (chosen minus rejected
 # implicit reward), GRPO's mean reward.
 WATCHED = {"dpo": "rewards/margins", "kto": "rewards/margins", "grpo": "reward"}
-
-
-class OptionsError(ValueError):
-    """Settings of ``fastft train`` that cannot work together (found before the model is loaded)."""
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TrainOptions:
     warmup_steps: int = 2
     save_steps: int = 10
     seed: int = 3407
+    tokenizer: str | None = None
     resume: bool = False
     overwrite: bool = False
     beta: float = 0.1
@@ -106,6 +109,8 @@ def last_complete_checkpoint(output: str | Path) -> str | None:
 
 def _check_output(options: TrainOptions) -> str | None:
     output = Path(options.output)
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"fastft train: --output {output} is a file; pass a folder (it is created if missing).")
     last = last_complete_checkpoint(output)
     if options.resume:
         if last is None:
@@ -223,36 +228,142 @@ def run(options: TrainOptions) -> dict:
         FileNotFoundError: ``options.data`` does not exist.
         FileExistsError: ``options.output`` holds checkpoints and neither ``resume`` nor ``overwrite`` is set.
         fastft.data.DataError: The data cannot be read, or lacks the method's columns.
-        OptionsError: An unknown method, or settings the method's trainer refuses.
-        (All of them before the model is loaded.)
+        FileNotFoundError: A local ``options.model`` folder without config.json, weights or (with no
+            ``options.tokenizer``) tokenizer files.
+        OptionsError: An unknown method, a number out of range (:func:`fastft.cli_checks.check_numbers`), or
+            settings the method's trainer refuses.
+        (All of them before the model is loaded and before ``options.output`` is created.)
+
+    A ``batch_size`` larger than the data is clamped to it, with one warning; ``metrics["options"]`` records the
+    batch size trained with, ``metrics["batch_size_requested"]`` the one asked for. With ``resume`` on a run whose
+    metrics.json says it finished ``max_steps`` steps, nothing is trained and its metrics come back with
+    ``"already_finished": True``.
     """
     if options.method not in METHODS:
         raise OptionsError(f"fastft train: unknown --method {options.method!r}; choose one of {', '.join(METHODS)}.")
+    check_numbers(options)
     job = launch()
     resume_from = _check_output(options)
+    finished = _finished_metrics(options)
+    if finished is not None:
+        return finished
     # Bad --data or settings fail here, before model loading and before --output exists.
-    rows = load_rows(options.data, options.method)
+    rows = _read_rows(options)
+    check_model(options.model, options.tokenizer, options.seq_len)
+    requested_batch = options.batch_size
+    options = _fit_batch(options, rows)
     output = Path(options.output)
     dtype = resolve_dtype(options.dtype)
     config = _config(options, output, dtype)
     model, tokenizer = FastModel.from_pretrained(
-        options.model, max_seq_length=options.seq_len, dtype=dtype, load_in_4bit=options.load_in_4bit
+        options.model,
+        max_seq_length=options.seq_len,
+        dtype=dtype,
+        load_in_4bit=options.load_in_4bit,
+        tokenizer_name=options.tokenizer,
     )
-    # Created once the model has loaded, so a bad --model leaves no empty output folder behind.
+    # Created once the model has loaded, so a bad --model leaves no empty output folder behind; removed again when
+    # the run fails before writing anything into it.
+    created = job.is_main and not output.exists()
     if job.is_main:
         output.mkdir(parents=True, exist_ok=True)
-    model = FastModel.get_peft_model(
-        model,
-        r=options.r,
-        lora_alpha=options.lora_alpha,
-        lora_dropout=options.lora_dropout,
-        use_gradient_checkpointing=options.gradient_checkpointing,
-        random_state=options.seed,
-        compile=options.compile,
+    try:
+        return _train(options, job, model, tokenizer, rows, config, resume_from, dtype, requested_batch)
+    except BaseException:
+        if created and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()
+        raise
+
+
+def _read_rows(options: TrainOptions) -> Any:
+    """``--data``'s rows, each line of a JSON lines file and each row's fields checked (:mod:`fastft.cli_checks`)."""
+    path = Path(options.data) if options.data not in (None, "demo") else None
+    lines = None
+    if path is not None and path.suffix.lower() == ".jsonl" and path.is_file():
+        lines = check_json_lines(path)
+    rows = load_rows(options.data, options.method)
+    check_rows(rows, options.method, options.data or "demo", lines)
+    return rows
+
+
+def _fit_batch(options: TrainOptions, rows: Any) -> TrainOptions:
+    """``options`` with ``batch_size`` clamped to the number of examples: the trainer would otherwise train on smaller
+    batches than the one metrics.json records. GRPO's batch counts completions, not rows, and is left as it is."""
+    examples = len(rows)
+    if options.method == "kto" and "label" not in rows.column_names:
+        examples *= 2  # each preference pair becomes a desirable and an undesirable example
+    if options.method == "grpo" or options.batch_size <= examples:
+        return options
+    logger.warning(
+        "fastft train: --batch-size %d is more than the %d examples of the data; training on batches of %d "
+        "(metrics.json records batch_size %d). Pass --batch-size %d or less, or more data, to silence this.",
+        options.batch_size,
+        examples,
+        examples,
+        examples,
+        examples,
     )
+    return replace(options, batch_size=examples)
+
+
+def _finished_metrics(options: TrainOptions) -> dict | None:
+    """With ``--resume``, the metrics of a run that already reached ``--max-steps``, which is then not trained again;
+    ``None`` when there is something left to train."""
+    metrics_file = Path(options.output) / "metrics.json"
+    if not options.resume or options.max_steps <= 0 or not metrics_file.is_file():
+        return None
+    metrics = json.loads(metrics_file.read_text())
+    done = metrics.get("global_step", 0)
+    # A run stopped by a signal has completed false and its adapter unsaved: resuming it trains the rest.
+    if not metrics.get("completed") or done < options.max_steps:
+        return None
+    logger.warning(
+        "fastft train: %s already finished (%d steps of --max-steps %d); nothing to resume. Pass a larger "
+        "--max-steps to train further, or --overwrite to start again.",
+        options.output,
+        done,
+        options.max_steps,
+    )
+    return {**metrics, "already_finished": True}
+
+
+def _train(
+    options: TrainOptions,
+    job: Any,
+    model: Any,
+    tokenizer: Any,
+    rows: Any,
+    config: Any,
+    resume_from: str | None,
+    dtype: torch.dtype,
+    requested_batch: int,
+) -> dict:
+    """Add the adapter, train, and write the adapter, metrics.json and loss.png (the second half of :func:`run`)."""
+    output = Path(options.output)
+    wall_start = time.time() - 1  # coarse file-system clocks: a file written in this second may stamp the last one
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads transformers' deprecated is_gradient_checkpointing (transformers >= 5.23);
+        # the FutureWarning is peft's to fix and names nothing a fastft user can change.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = FastModel.get_peft_model(
+            model,
+            r=options.r,
+            lora_alpha=options.lora_alpha,
+            lora_dropout=options.lora_dropout,
+            use_gradient_checkpointing=options.gradient_checkpointing,
+            random_state=options.seed,
+            compile=options.compile,
+        )
     dataset = prepare_rows(rows, options.method, tokenizer)
     stopper = StopOnSignal()
     trainer = _trainer(options, model, tokenizer, dataset, config, [stopper])
+    if isinstance(trainer.train_dataset, Sized) and len(trainer.train_dataset) == 0:
+        # trl drops examples left with nothing to learn from once cut to --seq-len (a prompt that fills it all).
+        raise OptionsError(
+            f"fastft train: none of the {len(rows)} examples of --data {options.data or 'demo'} is left to train on "
+            f"at --seq-len {options.seq_len} (each is cut to that many tokens, prompt and chat template included); "
+            "pass a larger --seq-len, e.g. --seq-len 256, or shorter examples."
+        )
     # trl casts the trained weights of a 4-bit model to bf16 while building the trainer; an fp16 run (GPUs below
     # compute capability 8.0) keeps them in fp32 for its gradient scaler. The optimizer is only built in train().
     keep_trainable_fp32(model)
@@ -278,6 +389,7 @@ def run(options: TrainOptions) -> dict:
         "compile_s": compile_seconds() - compiling_before if options.compile else None,
         "resumed_from": Path(resume_from).name if resume_from else None,
         "options": asdict(options),
+        "batch_size_requested": requested_batch,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device_name(),
         "processes": job.world_size,
@@ -285,12 +397,25 @@ def run(options: TrainOptions) -> dict:
     }
     if trainer.is_world_process_zero():
         if completed:
+            base = public_base_name(options.model)
+            if base is not None:
+                # Not the cache folder the embedded model loads from, which exists on this machine only.
+                for adapter in model.peft_config.values():
+                    adapter.base_model_name_or_path = base
             model.save_pretrained(output)
             tokenizer.save_pretrained(output)
+            base = model.peft_config["default"].base_model_name_or_path
+            card = model_card(base, options.method, output, trainer.state.global_step)
+            (output / "README.md").write_text(card)
         (output / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         if losses:
             title = f"fastft train: {options.model}"
             if options.method != "sft":
                 title = f"fastft train --method {options.method}: {options.model}"
             plot_loss([row["step"] for row in history], losses, output / "loss.png", title)
+        # safetensors writes the adapter and the checkpoints' weights through a 0600 temporary file. Only what this
+        # run wrote is touched: --output may be a folder that holds the user's own files too.
+        for item in output.iterdir():
+            if item.stat().st_mtime >= wall_start and (item.is_file() or item.name.startswith("checkpoint-")):
+                as_if_created(item, recursive=True)
     return metrics

@@ -317,7 +317,7 @@ def test_train_with_a_missing_model_leaves_no_output_folder(sandbox, nothing_loa
     from fastft.train import TrainOptions, run
 
     output = sandbox / "out"
-    with pytest.raises(FileNotFoundError, match="model_name=.*does not exist"):
+    with pytest.raises(FileNotFoundError, match="--model .* does not exist"):
         run(TrainOptions(output=str(output), model=str(sandbox / "no-model")))
     assert not output.exists()
 
@@ -377,11 +377,21 @@ def test_save_gguf_refuses_a_quantization_it_does_not_write(base_model, smol_tok
     [
         ("missing", ["--merged", "{merged}"], "does not exist"),
         ("no-config", ["--merged", "{merged}"], "has no adapter_config.json"),
-        ("non-empty-merged", ["--merged", "{merged}"], "pass overwrite=True"),
-        ("adapter", ["--merged", "{merged}", "--max-shard-size", "lots"], "max_shard_size='lots'"),
+        ("non-empty-merged", ["--merged", "{merged}"], "pass --overwrite to replace it"),
+        ("adapter", ["--merged", "{merged}", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not"),
         ("adapter", [], "nothing to write; pass --merged DIR, --gguf FILE, or both"),
+        ("adapter", ["--gguf", "{adapter}/model.gguf"], "would go into the adapter folder"),
+        ("adapter", ["--gguf", "{adapter}"], "e.g. --gguf run-gguf/model.gguf"),
     ],
-    ids=["missing", "no-adapter-config", "non-empty-merged", "bad-shard-size", "no-output"],
+    ids=[
+        "missing",
+        "no-adapter-config",
+        "non-empty-merged",
+        "bad-shard-size",
+        "no-output",
+        "gguf-in-adapter",
+        "gguf-adapter-dir",
+    ],
 )
 def test_fastft_export_refuses_before_loading(sandbox, nothing_loaded, capsys, setup, outputs, expected):
     from fastft.cli import main
@@ -395,7 +405,7 @@ def test_fastft_export_refuses_before_loading(sandbox, nothing_loaded, capsys, s
         merged.mkdir()
         (merged / "config.json").write_text("{}")
     before = _tree(sandbox)
-    code = main(["export", "--adapter", str(adapter), *(arg.format(merged=merged) for arg in outputs)])
+    code = main(["export", "--adapter", str(adapter), *(arg.format(merged=merged, adapter=adapter) for arg in outputs)])
     error = capsys.readouterr().err
     assert code == 2
     assert error.startswith("error: fastft export") and expected in error

@@ -141,6 +141,16 @@ def test_train_sigterm_saves_a_checkpoint_then_resume_finishes(tiny_llama_dir, t
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["resumed_from"] == f"checkpoint-{stopped['global_step']}"
     assert [row["step"] for row in metrics["steps"]] == list(range(1, steps + 1))
+    assert metrics["global_step"] == metrics["max_steps"] == steps
+    # The checkpoints end at --max-steps (save_total_limit keeps the newest two), none past it.
+    numbers = sorted(int(path.name.split("-")[1]) for path in output.glob("checkpoint-*"))
+    assert numbers[-1] == steps and len(numbers) == 2, numbers
+
+    # Resuming the finished run again trains nothing.
+    again = _run([*command, "--resume"], tmp_path, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"already finished its {steps} steps; nothing trained" in again.stdout
+    assert sorted(int(path.name.split("-")[1]) for path in output.glob("checkpoint-*")) == numbers
 
 
 def test_train_bad_data_path_is_named(tiny_llama_dir, tmp_path):
