@@ -273,27 +273,35 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import json
 
     from fastft.bench import BenchError, Options, run, write
     from fastft.bench.harness import repository_root
+    from fastft.bench.inputs import check_folder, check_readme, read_record
 
     root = repository_root()
     readme = args.readme or (root / "bench" / "README.md" if root is not None and not args.quick else None)
-    if args.readme_from is not None:
+    try:
+        # The file system's part of the flags, checked before a model loads or a file is written.
+        check_readme(args.readme)
+        check_folder(args.output_dir, "--output-dir")
+        check_folder(args.venv_root, "--venv-root")
+        record = read_record(args.readme_from) if args.readme_from is not None else None
+    except BenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if record is not None:
         from fastft.bench.report import evaluate_targets, plot, summarise, update_readme
 
-        record = json.loads(args.readme_from.read_text())
         # Read again with this harness (mode-for-mode columns, the floor from the model's shape where the count
         # failed); the JSON itself stays as its run wrote it.
         record["summary"] = summarise(record)
         record["targets"] = evaluate_targets(record)
-        paths = {"json": args.readme_from}
-        if record["runs"]:
-            paths["plot"] = plot(record, args.readme_from.with_suffix(".png"))
         if readme is None:
             print("error: --readme-from needs --readme outside a source checkout", file=sys.stderr)
             return 2
+        paths = {"json": args.readme_from}
+        if record["runs"]:
+            paths["plot"] = plot(record, args.readme_from.with_suffix(".png"))
         update_readme(readme, record, paths)
         print(f"fastft bench: redrew {paths.get('plot', 'no plot (no timed runs)')} and updated {readme}")
         return 0
@@ -320,6 +328,12 @@ def _bench(args: argparse.Namespace) -> int:
     )
     if options.steps < 1 or options.rounds < (0 if options.longest else 1):
         print("error: --steps must be at least 1, and --rounds at least 1 (0 only with --longest)", file=sys.stderr)
+        return 2
+    if args.timeout < 1:
+        print(
+            f"error: --timeout is the seconds one measurement may take and must be at least 1, got {args.timeout}",
+            file=sys.stderr,
+        )
         return 2
     if options.longest_budget_s is not None and options.longest_budget_s <= 0:
         print(
