@@ -1,5 +1,6 @@
-"""An adapter of the embedded model names its base by the hub id users know, its model card names that base, and
-fastft loads it back without the hub (the id maps to the embedded copy it was trained on)."""
+"""An adapter of the embedded model names its base by the hub id users know, its model card names that base, fastft
+loads it back without the hub (the id maps to the embedded copy it was trained on), and plain peft + transformers
+load it wherever that base is in the Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+
+import torch
 
 from fastft.base_names import EMBEDDED_HUB_IDS, embedded_alias, public_base_name
 
@@ -49,3 +52,43 @@ def test_an_embedded_model_adapter_names_the_hub_id_and_reloads_offline(tmp_path
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     kind, base = loaded.stdout.split()[-2:]
     assert "Peft" in kind and base == HUB_ID, loaded.stdout
+
+    # On a machine without fastft, where the base is in the Hugging Face cache (a cache built here from the embedded
+    # weights, read offline), plain peft + transformers load the adapter by its base's hub id.
+    from safetensors.torch import load_file
+
+    from fastft.embedded import materialise_gguf, resolve_alias
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / f"models--{HUB_ID.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    # The embedded GGUF as dense safetensors (what the train run above loaded), linked in as the hub cache does.
+    for file in materialise_gguf(*resolve_alias("smollm2-135m", None)).iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    plain = (
+        "import sys, torch; from peft import AutoPeftModelForCausalLM; "
+        "model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]); "
+        "assert not any(name.split('.')[0] == 'fastft' for name in sys.modules), 'fastft was imported'; "
+        "a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A['default'].weight; "
+        "torch.save(a.detach().float(), sys.argv[2]); "
+        "print(model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape)"
+    )
+    saved = tmp_path / "lora_a.pt"
+    hub_env = {key: value for key, value in env.items() if key != "FASTFT_DISABLE_TRITON"}
+    hub_env["HF_HUB_CACHE"] = str(tmp_path / "hub")
+    loaded = subprocess.run(
+        [sys.executable, "-c", plain, str(output), str(saved)],
+        capture_output=True,
+        text=True,
+        env=hub_env,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "torch.Size([1, 3, 49152])" in loaded.stdout, loaded.stdout
+    weights = load_file(output / "adapter_model.safetensors")
+    key = next(name for name in weights if "layers.0.self_attn.q_proj.lora_A" in name)
+    assert torch.equal(torch.load(saved), weights[key].float())
