@@ -387,6 +387,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.compile and args.output is not None:
+        from fastft.bench import BenchError
+        from fastft.bench.inputs import check_folder
+
+        try:
+            # Before the report and the check run: the JSON goes into --output's folder.
+            if args.output.is_dir():
+                raise BenchError(f"fastft doctor --output {args.output}: is a folder; name the JSON file to write")
+            check_folder(args.output.parent, f"--output {args.output}: its folder", "fastft doctor")
+        except BenchError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     from fastft.doctor import report
 
     print(report())

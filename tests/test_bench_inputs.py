@@ -1,5 +1,5 @@
-"""`fastft bench`'s bad inputs: one `error:` line naming the flag as typed, exit 2, before anything loads or is
-written (issue 30, point 4)."""
+"""`fastft bench`'s and `fastft doctor`'s bad inputs: one `error:` line naming the flag as typed, exit 2, before
+anything loads, runs or is written (issue 30, point 4)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,21 @@ def test_a_bad_input_is_one_error_line_before_anything_runs(case, tmp_path, caps
     assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
     assert ran == [], "measured before refusing"
     assert sorted(tmp_path.rglob("*")) == before, "wrote something before refusing"
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder", "without --compile"])
+def test_doctor_refuses_an_output_it_cannot_write_before_running(where, tmp_path, capsys):
+    a_file = tmp_path / "a-file.txt"
+    a_file.write_text("not a folder")
+    argv = {
+        "under a file": ["--compile", "--output", str(a_file / "compile.json")],
+        "a folder": ["--compile", "--output", str(tmp_path)],
+        "without --compile": ["--output", str(tmp_path / "compile.json")],
+    }[where]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["doctor", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: fastft doctor") and "--output" in err[0], err
+    assert captured.out == "", "the report ran before refusing"
+    assert sorted(tmp_path.rglob("*")) == before

@@ -17,8 +17,14 @@ from fastft.bench.harness import BenchError
 RECORD_KEYS = ("benchmark", "device", "settings", "runs")
 
 
-def check_folder(path: Path | None, flag: str) -> None:
-    """Refuse a folder flag whose path is a file, or that cannot be created or written (it is created when missing)."""
+def check_folder(path: Path | None, flag: str, command: str = "fastft bench") -> None:
+    """Refuse a folder flag whose path is a file, or that cannot be created or written (it is created when missing).
+
+    Args:
+        path: The folder the flag names (None: not given, nothing to check).
+        flag: The flag as typed, for the message.
+        command: The command the message names.
+    """
     if path is None:
         return
     existing = path
@@ -26,7 +32,7 @@ def check_folder(path: Path | None, flag: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         where = "is a file" if existing == path else f"cannot be created: {existing} is a file"
-        raise BenchError(f"fastft bench {flag} {path}: {where}; name a folder (it is created when missing)")
+        raise BenchError(f"{command} {flag} {path}: {where}; name a folder (it is created when missing)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise BenchError(
             f"fastft bench {flag} {path}: {existing} is not writable by this user; name a folder you can write"
