@@ -73,11 +73,17 @@ def test_a_missing_model_path_is_named(tmp_path, capsys, no_loading):
     assert f"--model {tmp_path / 'nowhere'} does not exist" in line
 
 
-def test_a_missing_tokenizer_names_the_tokenizer_flag(tmp_path, capsys, no_loading, tiny_llama_dir):
+def _weights_only(tmp_path, tiny_llama_dir):
+    """A model folder with config and weights but no tokenizer files."""
     folder = tmp_path / "weights-only"
     folder.mkdir()
     for name in ("config.json", "model.safetensors"):
         (folder / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    return folder
+
+
+def test_a_missing_tokenizer_names_the_tokenizer_flag(tmp_path, capsys, no_loading, tiny_llama_dir):
+    folder = _weights_only(tmp_path, tiny_llama_dir)
     line = _refused(tmp_path, capsys, "--model", str(folder))
     assert f"--model {folder} has no tokenizer files" in line and "pass --tokenizer" in line
     # --tokenizer pointing at a folder without one is refused too, by its own name.
@@ -86,10 +92,7 @@ def test_a_missing_tokenizer_names_the_tokenizer_flag(tmp_path, capsys, no_loadi
 
 
 def test_tokenizer_flag_is_passed_to_the_loader(tmp_path, capsys, monkeypatch, tiny_llama_dir):
-    folder = tmp_path / "weights-only"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (folder / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    folder = _weights_only(tmp_path, tiny_llama_dir)
     seen = {}
 
     def record(model_name, **kwargs):
