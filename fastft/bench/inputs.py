@@ -40,9 +40,13 @@ def check_folder(path: Path | None, flag: str, command: str = "fastft bench") ->
 
 
 def check_readme(path: Path | None, flag: str = "--readme") -> None:
-    """Refuse a README path that is not an existing file (its section for the device is rewritten in place)."""
-    if path is not None and not path.is_file():
-        raise BenchError(f"fastft bench {flag} {path}: no such file; name an existing README (bench/README.md)")
+    """Refuse a README path that is a folder, or whose folder cannot be created (a missing README is created, its
+    section for the device added)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise BenchError(f"fastft bench {flag} {path}: is a folder; name the markdown file to update (bench/README.md)")
+    check_folder(path.parent, f"{flag} {path}: its folder")
 
 
 def read_record(path: Path) -> dict[str, Any]:
