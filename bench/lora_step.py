@@ -60,7 +60,7 @@ RANK, ALPHA = 16, 16
 LOSS_TOLERANCE = 1e-4
 # Name prefixes of fastft's fused autograd functions, counted in each loss graph (attention's q / k / v node is
 # LoRAQKVRoPEFunction where RoPE runs in it, LoRAQKVFunction where the family's per-head norms keep it apart).
-FUSED_NODES = ("LoRAQKV", "LoRAO", "LoRAMLP")
+FUSED_NODES = ("LoRAQKV", "LoRAO", "LoRAMLP", "LoRADecoderLayer")
 SEED = 0
 
 

@@ -402,12 +402,53 @@ class _CheckpointedLayer(torch.autograd.Function):
         targets = [leaf for leaf in leaves if leaf.requires_grad] + list(keyword_leaves.values()) + call.parameters
         found: Sequence[torch.Tensor | None] = [None] * len(targets)
         if pairs and targets:
-            found = torch.autograd.grad(
-                [out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True
-            )
+            found = _one_node_grads(pairs, targets)
+            if found is None:
+                found = torch.autograd.grad(
+                    [out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True
+                )
         remaining = iter(found)
         input_grads = [next(remaining) if needs else None for needs in call.needs_grad]
         return (None, *input_grads, *remaining)
+
+
+def _one_node_grads(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor]
+) -> list[torch.Tensor | None] | None:
+    """The targets' gradients when the recomputed layer is one node straight over them (a fused decoder layer:
+    :mod:`fastft.kernels.lora_decoder_layer`), by calling that node; None for any other graph.
+
+    A pass of the autograd engine per layer (its graph task, and the gradients it may compute only for what that pass
+    asked for) costs more than the node's own host work; one node over leaves needs none of it.
+    """
+    if len(pairs) != 1:
+        return None
+    out, grad = pairs[0]
+    node = out.grad_fn
+    if node is None or out.output_nr != 0:
+        return None
+    index = {id(target): position for position, target in enumerate(targets)}
+    positions = []
+    for function, _ in node.next_functions:
+        if function is None:
+            positions.append(None)
+            continue
+        variable = getattr(function, "variable", None)
+        position = None if variable is None else index.get(id(variable))
+        if position is None or targets[position] is not variable:
+            return None
+        positions.append(position)
+    mask = getattr(node, "tensor_inputs", None)
+    if mask is None:
+        # A Python Function's node returns a value for every forward argument, tensor or not; only one that says
+        # which were tensors (the fused layer's does) can be lined up with its edges.
+        return None
+    values = [value for value, is_tensor in zip(node.apply(grad), mask, strict=True) if is_tensor]
+    found: list[torch.Tensor | None] = [None] * len(targets)
+    for position, value in zip(positions, values, strict=True):
+        if position is not None and value is not None:
+            found[position] = value if found[position] is None else found[position] + value
+    return found
 
 
 def _replayed_pack(expected: torch.Tensor, segment: Segment, index: int) -> Callable[[torch.Tensor], Any]:

@@ -191,25 +191,13 @@ class LoRAMLPFunction(torch.autograd.Function):
             ctx.legacy = len(mlp)
             mlp = _legacy(mlp, arguments)
             arguments = mlp._adapters
-        gate_up, down = mlp.gate_up, mlp.down
-        count, total = gate_up._lora_count, mlp._lora_count
-        gate_up_adapters = (*arguments[:count], *arguments[total : total + count])
-        down_adapters = (*arguments[count:total], *arguments[total + count :])
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         casts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
-        out, xa_gate_up, gate, up, xa_down = lora_mlp_math.forward(
-            gate_up._spec,
-            down._spec,
-            x2d,
-            _tensors(gate_up, gate_up_adapters),
-            _tensors(down, down_adapters),
-            mlp.activation,
-            casts,
-        )
+        out, saved = mlp_forward(mlp, x2d, arguments, casts)
         ctx.mlp = mlp
         ctx.casts = casts
         ctx.x_shape = x.shape
-        ctx.save_for_backward(x2d, xa_gate_up, gate, up, xa_down, *arguments)
+        ctx.save_for_backward(x2d, *saved, *arguments)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
@@ -217,30 +205,14 @@ class LoRAMLPFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2d, xa_gate_up, gate, up, xa_down, *adapters = ctx.saved_tensors
         mlp = ctx.mlp
-        gate_up, down = mlp.gate_up, mlp.down
-        count, total = gate_up._lora_count, mlp._lora_count
+        total = mlp._lora_count
         needs = ctx.needs_input_grad
         if ctx.legacy:
             needs_lora = _legacy_needs(mlp, needs, ctx.legacy)
         else:
             needs_lora = [needs[2 + j] or needs[2 + total + j] for j in range(total)]
-        grad_x, grad_a, grad_b = lora_mlp_math.backward(
-            gate_up._spec,
-            down._spec,
-            x2d,
-            xa_gate_up,
-            gate,
-            up,
-            xa_down,
-            grad,
-            _tensors(gate_up, (*adapters[:count], *adapters[total : total + count])),
-            _tensors(down, (*adapters[count:total], *adapters[total + count :])),
-            mlp.activation,
-            needs[0],
-            needs_lora,
-            in_place=True,
-            casts=ctx.casts,
-        )
+        saved = (xa_gate_up, gate, up, xa_down)
+        grad_x, grad_a, grad_b = mlp_backward(mlp, x2d, saved, adapters, grad, needs[0], needs_lora, ctx.casts)
         if grad_x is not None and len(ctx.x_shape) != 2:
             grad_x = grad_x.view(ctx.x_shape)
         if not ctx.legacy:
@@ -254,6 +226,61 @@ class LoRAMLPFunction(torch.autograd.Function):
 
 
 _apply_mlp = direct_apply(LoRAMLPFunction)
+
+# What the backward reads besides x and the adapters: xa of gate / up, the gate and up pre-activations, xa of down.
+Saved = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _split_adapters(mlp: LoRAMLP, adapters: Sequence[torch.Tensor]) -> tuple[Sequence[Any], Sequence[Any]]:
+    # The MLP's adapters are every A (gate / up ones, then down's), then every B in the same order.
+    count, total = mlp.gate_up._lora_count, mlp._lora_count
+    gate_up = (*adapters[:count], *adapters[total : total + count])
+    down = (*adapters[count:total], *adapters[total + count :])
+    return _tensors(mlp.gate_up, gate_up), _tensors(mlp.down, down)
+
+
+def mlp_forward(
+    mlp: LoRAMLP, x2d: torch.Tensor, adapters: Sequence[torch.Tensor], casts: tuple[dict[str, Any], dict[str, Any]]
+) -> tuple[torch.Tensor, Saved]:
+    """The node's forward math (shared with :mod:`fastft.kernels.lora_decoder_layer`): ``(out [M, hidden], saved)``
+    for ``x2d [M, hidden]``; ``adapters`` as :attr:`LoRAMLP._adapters` orders them, ``casts`` kept for the backward."""
+    gate_up, down = _split_adapters(mlp, adapters)
+    out, xa_gate_up, gate, up, xa_down = lora_mlp_math.forward(
+        mlp.gate_up._spec, mlp.down._spec, x2d, gate_up, down, mlp.activation, casts
+    )
+    return out, (xa_gate_up, gate, up, xa_down)
+
+
+def mlp_backward(
+    mlp: LoRAMLP,
+    x2d: torch.Tensor,
+    saved: Saved,
+    adapters: Sequence[torch.Tensor],
+    grad: torch.Tensor,
+    needs_x: bool,
+    needs_lora: Sequence[bool],
+    casts: tuple[dict[str, Any], dict[str, Any]],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The node's backward math: ``(dX, [dA], [dB])``; the gate's gradients are written over the saved gate / up."""
+    gate_up, down = _split_adapters(mlp, adapters)
+    xa_gate_up, gate, up, xa_down = saved
+    return lora_mlp_math.backward(
+        mlp.gate_up._spec,
+        mlp.down._spec,
+        x2d,
+        xa_gate_up,
+        gate,
+        up,
+        xa_down,
+        grad,
+        gate_up,
+        down,
+        mlp.activation,
+        needs_x,
+        needs_lora,
+        in_place=True,
+        casts=casts,
+    )
 
 
 def _lora_segments(mlp: LoRAMLP) -> list[int]:
@@ -325,4 +352,4 @@ def lora_gate_up_mlp(
     return LoRAMLP.from_projections((gate_up, down), activation)(x)
 
 
-__all__ = ["ACTIVATIONS", "LoRAMLP", "LoRAMLPFunction", "lora_gate_up_mlp", "lora_mlp"]
+__all__ = ["ACTIVATIONS", "LoRAMLP", "LoRAMLPFunction", "lora_gate_up_mlp", "lora_mlp", "mlp_backward", "mlp_forward"]

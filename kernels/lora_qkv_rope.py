@@ -14,6 +14,7 @@ compiler fuses itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,23 +46,11 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
         head_dim: int,
         *adapters: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, seq = x.shape[0], x.shape[1]
         x2d = x.reshape(-1, x.shape[-1])
         ctx.casts = {}
-        outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
-        if group.split is not None:
-            # A packed q | k | v projection (Phi-3) has one output: its column blocks, as views.
-            outputs = outputs[0].split(group.split, dim=1)
-        q, k, v = _per_head(outputs, batch, seq, head_dim)
-        _checked("lora_qkv_rope", q, k, cos, sin, None)
-        if dispatch.use_triton(q):
-            # The buffers are this node's own: rotated where they are, in one launch.
-            _launch(q, k, q, k, cos, sin, None, backward=False)
-        else:
-            table, factor = _reference_tables(cos, sin, None, _compute_dtype(q.dtype), backward=False)
-            q, k = _rotate(q, table, factor), _rotate(k, table, factor)
+        q, k, v, xa = qkv_rope_forward(group, x2d, x.shape[0], x.shape[1], cos, sin, head_dim, adapters, ctx.casts)
         ctx.group = group
-        ctx.shape = (batch, seq, x.shape[-1])
+        ctx.shape = (x.shape[0], x.shape[1], x.shape[-1])
         ctx.save_for_backward(x2d, xa, cos, sin, *adapters)
         ctx.set_materialize_grads(False)
         return q, k, v
@@ -72,34 +61,83 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
         ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         x2d, xa, cos, sin, *adapters = ctx.saved_tensors
-        group: LoRAGroup = ctx.group
-        tokens = x2d.shape[0]
-        present = next(g for g in (grad_q, grad_k, grad_v) if g is not None)
-        if grad_q is not None or grad_k is not None:
-            if dispatch.use_triton(present):
-                # Written as [batch, seq, heads, head_dim]: the [tokens, width] view below is then free.
-                rotated = []
-                for grad in (grad_q, grad_k):
-                    if grad is None:
-                        rotated.append(None)
-                        continue
-                    b, h, s, d = grad.shape
-                    rotated.append(dispatch.empty((b, s, h, d), dtype=grad.dtype, device=grad.device).transpose(1, 2))
-                _launch(grad_q, grad_k, rotated[0], rotated[1], cos, sin, None, backward=True)
-                grad_q, grad_k = rotated
-            else:
-                table, factor = _reference_tables(cos, sin, None, _compute_dtype(present.dtype), backward=True)
-                grad_q = None if grad_q is None else _rotate(grad_q, table, factor)
-                grad_k = None if grad_k is None else _rotate(grad_k, table, factor)
-        flat = [None if g is None else g.transpose(1, 2).reshape(tokens, -1) for g in (grad_q, grad_k, grad_v)]
-        if group.split is not None:
-            parts = [x2d.new_zeros(tokens, w) if g is None else g for g, w in zip(flat, group.split, strict=True)]
-            flat = [torch.cat(parts, dim=1)]
         # Inputs: x, group, cos, sin, head_dim, then the A's and B's.
-        grad_x, grad_a, grad_b = group.backward_math(x2d, xa, adapters, flat, ctx.needs_input_grad, 5, ctx.casts)
+        grad_x, grad_a, grad_b = qkv_rope_backward(
+            ctx.group, x2d, xa, cos, sin, adapters, (grad_q, grad_k, grad_v), ctx.needs_input_grad, 5, ctx.casts
+        )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.shape)
         return (grad_x, None, None, None, None, *grad_a, *grad_b)
+
+
+def qkv_rope_forward(
+    group: LoRAGroup,
+    x2d: torch.Tensor,
+    batch: int,
+    seq: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    adapters: Sequence[torch.Tensor],
+    casts: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The node's forward math (shared with :mod:`fastft.kernels.lora_decoder_layer`): ``(q, k, v, xa)`` of
+    ``x2d [batch · seq, hidden]``, q / k / v as ``[batch, heads, seq, head_dim]`` views, q and k rotated; ``xa`` is
+    what the backward needs besides x2d, the adapters and the tables."""
+    outputs, xa = group.forward_math(x2d, adapters, casts)
+    if group.split is not None:
+        # A packed q | k | v projection (Phi-3) has one output: its column blocks, as views.
+        outputs = outputs[0].split(group.split, dim=1)
+    q, k, v = _per_head(outputs, batch, seq, head_dim)
+    _checked("lora_qkv_rope", q, k, cos, sin, None)
+    if dispatch.use_triton(q):
+        # The buffers are this node's own: rotated where they are, in one launch.
+        _launch(q, k, q, k, cos, sin, None, backward=False)
+    else:
+        table, factor = _reference_tables(cos, sin, None, _compute_dtype(q.dtype), backward=False)
+        q, k = _rotate(q, table, factor), _rotate(k, table, factor)
+    return q, k, v, xa
+
+
+def qkv_rope_backward(
+    group: LoRAGroup,
+    x2d: torch.Tensor,
+    xa: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    adapters: Sequence[torch.Tensor],
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    needs: Sequence[bool],
+    first: int,
+    casts: dict[str, Any] | None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The node's backward math: ``(dX [tokens, hidden] or None, [dA], [dB])`` from the q / k / v gradients
+    (``[batch, heads, seq, head_dim]``, None where an output got none). ``needs`` / ``first``: as for
+    :meth:`LoRAGroup.backward_math`."""
+    grad_q, grad_k, grad_v = grads
+    tokens = x2d.shape[0]
+    present = next(g for g in grads if g is not None)
+    if grad_q is not None or grad_k is not None:
+        if dispatch.use_triton(present):
+            # Written as [batch, seq, heads, head_dim]: the [tokens, width] view below is then free.
+            rotated = []
+            for grad in (grad_q, grad_k):
+                if grad is None:
+                    rotated.append(None)
+                    continue
+                b, h, s, d = grad.shape
+                rotated.append(dispatch.empty((b, s, h, d), dtype=grad.dtype, device=grad.device).transpose(1, 2))
+            _launch(grad_q, grad_k, rotated[0], rotated[1], cos, sin, None, backward=True)
+            grad_q, grad_k = rotated
+        else:
+            table, factor = _reference_tables(cos, sin, None, _compute_dtype(present.dtype), backward=True)
+            grad_q = None if grad_q is None else _rotate(grad_q, table, factor)
+            grad_k = None if grad_k is None else _rotate(grad_k, table, factor)
+    flat = [None if g is None else g.transpose(1, 2).reshape(tokens, -1) for g in (grad_q, grad_k, grad_v)]
+    if group.split is not None:
+        parts = [x2d.new_zeros(tokens, w) if g is None else g for g, w in zip(flat, group.split, strict=True)]
+        flat = [torch.cat(parts, dim=1)]
+    return group.backward_math(x2d, xa, adapters, flat, needs, first, casts)
 
 
 _apply = direct_apply(LoRAQKVRoPEFunction)
@@ -142,4 +180,4 @@ def lora_qkv_rope(
         return _apply(x.to(dtype), group, cos, sin, head_dim, *group._adapters)
 
 
-__all__ = ["LoRAQKVRoPEFunction", "lora_qkv_rope"]
+__all__ = ["LoRAQKVRoPEFunction", "lora_qkv_rope", "qkv_rope_backward", "qkv_rope_forward"]

@@ -129,10 +129,19 @@ def lora_model(folder, load_in_4bit: bool = False, **kwargs):
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[str]:
-    """The class name of each fused LoRA Function (QKV with RoPE, O, MLP) every time its forward runs, in order."""
+    """The class name of each fused LoRA Function (QKV with RoPE, O, MLP) every time its forward runs, in order, and
+    ``LoRADecoderLayer`` each time a whole layer runs as one fused node (those parts inside it are not listed)."""
     import importlib
 
     calls: list[str] = []
+    layer_module = importlib.import_module("fastft.kernels.lora_decoder_layer")
+    layer_forward = layer_module._forward
+
+    def layer_counted(*args, **kwargs):
+        calls.append("LoRADecoderLayer")
+        return layer_forward(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "_forward", layer_counted)
     functions = (("lora_qkv_rope", "LoRAQKVRoPEFunction"), ("lora_o", "LoRAOFunction"), ("lora_mlp", "LoRAMLPFunction"))
     for module, name in functions:
         function = getattr(importlib.import_module(f"fastft.kernels.{module}"), name)

@@ -217,6 +217,17 @@ def graph_nodes(loss: torch.Tensor) -> list[str]:
     return names
 
 
+FUSED_LAYER = "LoRADecoderLayerFunction"
+# What one fused decoder-layer node runs inside it, by node-name fragment (each other fused part once).
+_PER_LAYER = {"RMSNormFunction": 2}
+
+
+def served(names: list[str], fragment: str) -> int:
+    """How many times the fused part ``fragment`` ran: as its own node, or inside a fused decoder-layer node (which
+    runs one q / k / v group, one o, one MLP and two RMSNorms)."""
+    return count(names, fragment) + _PER_LAYER.get(fragment, 1) * count(names, FUSED_LAYER)
+
+
 def count(names: list[str], fragment: str) -> int:
     """How many node names contain ``fragment``."""
     return sum(fragment in name for name in names)

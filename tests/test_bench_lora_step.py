@@ -51,8 +51,9 @@ def test_lora_step_bench_tiny_run_writes_json(tmp_path, tiny_llama_dir):
         assert name in result.stdout
     peft, fastft = systems["transformers+peft"], systems["fastft"]
     assert fastft["saved_bytes"] < peft["saved_bytes"], (fastft["saved_bytes"], peft["saved_bytes"])
-    assert fastft["fused_nodes"] == {"LoRAQKV": layers, "LoRAO": layers, "LoRAMLP": layers}
-    assert peft["fused_nodes"] == {"LoRAQKV": 0, "LoRAO": 0, "LoRAMLP": 0}
+    # A Llama layer whose parts are all fused is one node (its q / k / v, o and MLP inside).
+    assert fastft["fused_nodes"] == {"LoRAQKV": 0, "LoRAO": 0, "LoRAMLP": 0, "LoRADecoderLayer": layers}
+    assert peft["fused_nodes"] == {"LoRAQKV": 0, "LoRAO": 0, "LoRAMLP": 0, "LoRADecoderLayer": 0}
     patches = {row["name"]: row for row in fastft["patches"]}
     assert patches["llama.attention"]["status"] == "applied" and not patches["llama.attention"]["fallbacks"]
 

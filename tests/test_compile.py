@@ -9,6 +9,7 @@ import torch
 from conftest import relative_error
 from parity import FAMILIES, GRAD_TOLERANCE, LOSS_TOLERANCE, lora_model, loss_and_grads, make_batch, save_family
 from torch._dynamo.testing import CompileCounterWithBackend
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fastft import FastModel
 from fastft.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
@@ -114,7 +115,8 @@ def test_compile_switch_of_get_peft_model(tiny_llama_dir):
     assert torch.isfinite(loss)
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
     # The compiled layers save and reload as plain transformers / peft objects.
-    assert type(decoder_layers(model)[0]).__name__ == "LlamaDecoderLayer"
+    layer = decoder_layers(model)[0]
+    assert type(layer).__name__ == "FastLlamaDecoderLayer" and isinstance(layer, LlamaDecoderLayer)
     assert uncompile_layers(model) == layers and compiled_layers(model) == 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, tiny_llama_config, trl_logprobs_status
-from parity import count, graph_nodes
+from parity import count, graph_nodes, served
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
@@ -73,11 +73,11 @@ def test_the_loss_graph_holds_one_fused_node_per_layer_and_projection_group(word
         assert rows[name]["status"] == "applied" and rows[name]["fallbacks"] == {}, rows[name]
     loss = model(**_batch(model)).loss
     names = graph_nodes(loss)
-    assert count(names, "LoRAQKV") == LAYERS
-    assert count(names, "LoRAOFunction") == LAYERS
-    assert count(names, "LoRAMLP") == LAYERS
+    assert served(names, "LoRAQKV") == LAYERS
+    assert served(names, "LoRAOFunction") == LAYERS
+    assert served(names, "LoRAMLP") == LAYERS
     # The first norm has no node where the embeddings need no gradient (transformers 4.x without checkpointing).
-    assert count(names, "RMSNormFunction") in (2 * LAYERS, 2 * LAYERS + 1)
+    assert served(names, "RMSNormFunction") in (2 * LAYERS, 2 * LAYERS + 1)
     assert count(names, "FusedLinearCrossEntropy") == 1
     # Nothing of the stock LoRA path is left: peft's lora_B(lora_A(x)) * scaling would add MulBackward / AddBackward
     # nodes per projection around MmBackward ones.
@@ -90,7 +90,7 @@ def test_projections_without_an_adapter_stay_on_the_fused_path(word_tokenizer, t
     stock = _lora(folder, patch=False, target_modules=["q_proj", "v_proj", "up_proj"])
     batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
-    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
+    assert served(names, "LoRAQKV") == LAYERS and served(names, "LoRAMLP") == LAYERS
     _assert_same(patched, stock, batch)
 
 
@@ -105,12 +105,12 @@ def test_dropout_falls_back_to_peft_per_layer_and_is_reported(word_tokenizer, tm
     assert all("lora_dropout p=0.1" in reason for reason in [*attention.values(), *mlp.values()])
     batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
-    assert count(names, "LoRAQKV") == 0 and count(names, "LoRAMLP") == 0
+    assert served(names, "LoRAQKV") == 0 and served(names, "LoRAMLP") == 0
     # peft draws the same dropout masks in the same order on both sides.
     _assert_same(patched, stock, batch, seed=3)
     # In eval mode dropout is the identity, so the fused path serves the layers again.
     patched.eval()
-    assert count(graph_nodes(patched(**batch).logits.sum()), "LoRAQKV") == LAYERS
+    assert served(graph_nodes(patched(**batch).logits.sum()), "LoRAQKV") == LAYERS
     patched.train()
 
 
@@ -125,8 +125,8 @@ def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(word_toke
     assert rows["llama.attention"]["fallbacks"] == {} and rows["llama.mlp"]["fallbacks"] == {}
     batch = _batch(patched)
     names = graph_nodes(patched(**batch).loss)
-    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAOFunction") == LAYERS
-    assert count(names, "LoRAMLP") == LAYERS
+    assert served(names, "LoRAQKV") == LAYERS and served(names, "LoRAOFunction") == LAYERS
+    assert served(names, "LoRAMLP") == LAYERS
     _assert_same(patched, stock, batch)
 
     # peft's bias="all" trains every bias: the fused path would give them no gradient, so those layers run peft's.
@@ -136,7 +136,7 @@ def test_biased_projections_stay_fused_and_a_trainable_bias_falls_back(word_toke
     assert reason.startswith("q_proj.base_layer's bias is trainable"), reason
     assert set(rows["llama.mlp"]["fallbacks"]) == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
     batch = _batch(patched)
-    assert count(graph_nodes(patched(**batch).loss), "LoRAQKV") == 0
+    assert served(graph_nodes(patched(**batch).loss), "LoRAQKV") == 0
     _assert_same(patched, stock, batch)
     # In inference the trainable biases need no gradient, so the fused path serves the layers again.
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_disabled_adapters_stay_fused_and_merged_ones_run_peft_reported_live(wor
         # And with gradients on (a reference forward inside the training step), the same fused nodes run.
         hidden = patched.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
         names = graph_nodes(patched(inputs_embeds=hidden, attention_mask=batch["attention_mask"]).logits)
-        assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
+        assert served(names, "LoRAQKV") == LAYERS and served(names, "LoRAMLP") == LAYERS
     patched.eval()
     stock.eval()
     patched.merge_adapter()
@@ -274,7 +274,7 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
     else:
         assert count(names, "FusedLinearCrossEntropy") == 1
         assert head.fastft_fused_loss_calls == calls + 1
-    assert count(names, "LoRAQKV") == LAYERS
+    assert served(names, "LoRAQKV") == LAYERS
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "attention-bias"])
@@ -295,6 +295,6 @@ def test_a_4bit_base_takes_the_fused_path_too(word_tokenizer, tmp_path, bias):
     assert all(row["fallbacks"] == {} for row in patch_report(model))
     batch = _batch(model)
     names = graph_nodes(model(**batch).loss)
-    assert count(names, "LoRAQKV") == LAYERS and count(names, "LoRAMLP") == LAYERS
+    assert served(names, "LoRAQKV") == LAYERS and served(names, "LoRAMLP") == LAYERS
     if bias:
         _assert_same(model, four_bit(False), batch)

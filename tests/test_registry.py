@@ -19,7 +19,14 @@ from fastft.registry import PatchRecord, PatchSkippedError, records, signature_f
 pytestmark = pytest.mark.lane
 
 LANES = Path(__file__).resolve().parents[1] / ".ci" / "lanes"
-PATCH_NAMES = {"llama.rms_norm", "llama.attention", "llama.mlp", "llama.causal_lm_loss", "checkpoint.offload"}
+PATCH_NAMES = {
+    "llama.rms_norm",
+    "llama.attention",
+    "llama.mlp",
+    "llama.causal_lm_loss",
+    "llama.decoder_layer",
+    "checkpoint.offload",
+}
 TRL_PATCH = "trl.fused_logprobs"
 
 

@@ -35,7 +35,7 @@ from fastft.kernels.custom_ops import compiling
 from fastft.kernels.lora_qkv_rope import lora_qkv_rope
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.causal_lm import head_reason
-from fastft.patches.fused_groups import fused_mlp, fused_o, fused_packed_qkv, fused_qkv
+from fastft.patches.fused_groups import fused_mlp, fused_o_group, fused_packed_qkv, fused_qkv
 from fastft.patches.lora_layers import group_weights
 from fastft.patches.plans import group_objects, group_stamp, planned
 from fastft.registry import PatchRecord, register
@@ -134,11 +134,8 @@ def gated_mlp_forward(family: Family) -> Callable[..., torch.Tensor]:
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = args[0] if len(args) == 1 and not kwargs else reader.read(self, args, kwargs)[0][input_name]
-        if compiling():
-            # The tracer reads the modules itself and guards on what it read: no plan.
-            return _mlp_plan(family, self)[0](x)
-        stamp = (torch.is_grad_enabled(), group_stamp(self, family.mlp))
-        return planned(self, stamp, lambda: _mlp_plan(family, self))(x)
+        # While the tracer runs, no plan: it reads the modules itself and guards on what it read.
+        return mlp_plan(family, self)(x)
 
     forward.__signature__ = signature
     forward.__doc__ = f"``{family.prefix}MLP.forward`` as one fused LoRA-MLP node."
@@ -182,23 +179,25 @@ def _qkv_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tens
     return fused_qkv(family.qkv, weights)
 
 
-def _o_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _o_runner(family: Family, module: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """``(run, group)``: ``run(attn_output)``, and the fused :class:`LoRAGroup` it calls (None when unfused)."""
     weights = group_weights(module, family.o)
     if isinstance(weights, str):
         name = family.o[0]
-        return lambda attn_output: getattr(module, name)(attn_output)
-    return fused_o(family.o, weights)
+        return (lambda attn_output: getattr(module, name)(attn_output)), None
+    group = fused_o_group(family.o, weights)
+    return (lambda attn_output: group(attn_output)[0]), group
 
 
 class _AttentionPlan:
     """What an attention module decided: how q / k / v and o run, its attention function, its extra arguments, and,
     where q and k go straight from the fused projection to RoPE (no per-head norms), the one node that does both."""
 
-    __slots__ = ("attention", "extra", "o", "qkv", "rotary")
+    __slots__ = ("attention", "extra", "o", "o_group", "qkv", "rotary")
 
     def __init__(self, family: Family, module: torch.nn.Module) -> None:
         self.qkv = _qkv_runner(family, module)
-        self.o = _o_runner(family, module)
+        self.o, self.o_group = _o_runner(family, module)
         self.attention = _interface(family, module)
         self.extra = family.attention_kwargs(module)
         fused = isinstance(self.qkv, LoRAGroup) and not family.head_norms
@@ -207,6 +206,23 @@ class _AttentionPlan:
 
 def _attention_plan(family: Family, module: torch.nn.Module) -> tuple[_AttentionPlan, list[Any]]:
     return _AttentionPlan(family, module), group_objects(module, family.qkv + family.o)
+
+
+def attention_plan(family: Family, module: torch.nn.Module) -> _AttentionPlan:
+    """The attention module's kept plan (decided again when grad mode, the attention implementation or a projection's
+    stamp changed); while ``torch.compile`` traces, a fresh one."""
+    if compiling():
+        return _AttentionPlan(family, module)
+    stamp = (torch.is_grad_enabled(), module.config._attn_implementation, group_stamp(module, family.qkv + family.o))
+    return planned(module, stamp, lambda: _attention_plan(family, module))
+
+
+def mlp_plan(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP module's kept ``run(x)``: a :class:`~fastft.kernels.LoRAMLP` when fused."""
+    if compiling():
+        return _mlp_plan(family, module)[0]
+    stamp = (torch.is_grad_enabled(), group_stamp(module, family.mlp))
+    return planned(module, stamp, lambda: _mlp_plan(family, module))
 
 
 def _project(
@@ -248,7 +264,6 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
     cache_name = next((name for name in _CACHE_NAMES if name in signature.parameters), None)
     # 4.56–4.57 still take the pre-4.56 name, and 5.24 the pre-5.24 one, through a deprecation shim; so does this.
     old_names = tuple(name for name in _CACHE_NAMES if name != cache_name)
-    groups = family.qkv + family.o
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         named, extra = reader.read(self, args, kwargs)
@@ -259,11 +274,7 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
             shim = extra.pop(name, None)
             cache = shim if cache is None else cache
 
-        if compiling():
-            plan = _AttentionPlan(family, self)
-        else:
-            stamp = (torch.is_grad_enabled(), self.config._attn_implementation, group_stamp(self, groups))
-            plan = planned(self, stamp, lambda: _attention_plan(family, self))
+        plan = attention_plan(family, self)
         if plan.rotary is not None and hidden_states.dim() == 3 and cos.shape[-1] == self.head_dim:
             query, key, value = plan.rotary(hidden_states, cos, sin, self.head_dim)
         else:
@@ -392,12 +403,14 @@ def loss_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, st
 
 @dataclass(frozen=True)
 class FastClasses:
-    """A family's subclasses: each changes ``forward`` only."""
+    """A family's subclasses: each changes ``forward`` only. ``decoder_layer``: the layer as one fused node
+    (:mod:`fastft.patches.fused_layer`), for Llama-shaped layers."""
 
     rms_norm: type
     attention: type
     mlp: type
     causal_lm: type
+    decoder_layer: type | None = None
 
 
 @dataclass(frozen=True)
@@ -409,6 +422,7 @@ class VersionRange:
     causal_lm_fingerprint: str
     rms_norm_fingerprint: str = "(self, hidden_states)"
     mlp_fingerprint: str = "(self, x)"
+    decoder_layer_fingerprint: str | None = None
 
 
 def register_family(family: Family, classes: FastClasses, ranges: tuple[VersionRange, ...]) -> None:
@@ -457,6 +471,9 @@ def register_family(family: Family, classes: FastClasses, ranges: tuple[VersionR
                 (),
             ),
         )
+        if classes.decoder_layer is not None and versions.decoder_layer_fingerprint is not None:
+            layer = ("decoder_layer", "DecoderLayer", classes.decoder_layer, versions.decoder_layer_fingerprint)
+            parts += ((*layer, _gated_mlp_only(family), None, ()),)
         for part, suffix, fast_class, fingerprint, applies_to, fallbacks, gemm_groups in parts:
             upstream_class = family.upstream_class(suffix)
             register(
@@ -480,6 +497,8 @@ __all__ = [
     "FastClasses",
     "VersionRange",
     "attention_forward",
+    "attention_plan",
+    "mlp_plan",
     "gemma_rms_norm_forward",
     "mlp_activation",
     "gated_mlp_forward",

@@ -28,10 +28,9 @@ def fused_packed_qkv(
     return LoRAGroup("lora_packed_qkv", names, weights, "qkv", split=widths)
 
 
-def fused_o(names: Sequence[str], weights: Sequence[LoRAWeights]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The output projection: ``run(x) -> y``."""
-    group = LoRAGroup("lora_o", names, weights, "o")
-    return lambda x: group(x)[0]
+def fused_o_group(names: Sequence[str], weights: Sequence[LoRAWeights]) -> LoRAGroup:
+    """The output projection's group: ``group(x) -> (y,)``."""
+    return LoRAGroup("lora_o", names, weights, "o")
 
 
 def fused_mlp(

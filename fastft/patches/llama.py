@@ -30,6 +30,7 @@ from fastft.patches.decoder import (
     register_family,
     rms_norm_forward,
 )
+from fastft.patches.fused_layer import decoder_layer_forward, returns_tuple
 
 
 def _config_window(module: torch.nn.Module) -> dict[str, Any]:
@@ -60,6 +61,12 @@ class FastLlamaAttention(llama.LlamaAttention):
     forward = attention_forward(LLAMA, llama.LlamaAttention)
 
 
+class FastLlamaDecoderLayer(llama.LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` as one fused autograd node where all its parts are fused (else upstream's forward)."""
+
+    forward = decoder_layer_forward(LLAMA, llama.LlamaDecoderLayer, returns_tuple())
+
+
 class FastLlamaForCausalLM(FusedLossState, llama.LlamaForCausalLM):
     """``LlamaForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
 
@@ -82,6 +89,12 @@ class FastMistralAttention(mistral.MistralAttention):
     """``MistralAttention`` with the fused LoRA-QKV, RoPE and LoRA-O kernels (the window stays upstream's)."""
 
     forward = attention_forward(MISTRAL, mistral.MistralAttention)
+
+
+class FastMistralDecoderLayer(mistral.MistralDecoderLayer):
+    """``MistralDecoderLayer`` as one fused autograd node where all its parts are fused (else upstream's forward)."""
+
+    forward = decoder_layer_forward(MISTRAL, mistral.MistralDecoderLayer, returns_tuple())
 
 
 class FastMistralForCausalLM(FusedLossState, mistral.MistralForCausalLM):
@@ -124,27 +137,44 @@ def renamed_cache(fingerprint: str) -> str:
     return fingerprint.replace("past_key_values=None", "cache=None")
 
 
+# The Llama-shaped decoder layers' signatures (Llama, Mistral, Qwen2 and Qwen3 share them).
+DECODER_LAYER_453 = (
+    "(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, output_attentions=False, "
+    "use_cache=False, cache_position=None, position_embeddings=None, **kwargs)"
+)
+DECODER_LAYER_456 = (
+    "(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False, "
+    "cache_position=None, position_embeddings=None, **kwargs)"
+)
+DECODER_LAYER_5 = (
+    "(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False, "
+    "position_embeddings=None, **kwargs)"
+)
+
+
 def ranges(attention_5: str = ATTENTION_5, mlp_fingerprint: str = "(self, x)") -> tuple[VersionRange, ...]:
     """The four transformers ranges the lanes test (.ci/lanes/), each ending before the next minor release no lane
     has run; inside a range the signature check still guards every release."""
     return tuple(
-        VersionRange(versions, attention, causal_lm, mlp_fingerprint=mlp_fingerprint)
-        for versions, attention, causal_lm in (
-            (">=4.53.3,<4.56", ATTENTION_453, CAUSAL_LM_453),
-            (">=4.56,<4.58", ATTENTION_456, CAUSAL_LM_456),
-            (">=5.5.4,<5.24", attention_5, CAUSAL_LM_5),
-            (">=5.24,<5.25", renamed_cache(attention_5), renamed_cache(CAUSAL_LM_5)),
+        VersionRange(versions, attention, causal_lm, mlp_fingerprint=mlp_fingerprint, decoder_layer_fingerprint=layer)
+        for versions, attention, causal_lm, layer in (
+            (">=4.53.3,<4.56", ATTENTION_453, CAUSAL_LM_453, DECODER_LAYER_453),
+            (">=4.56,<4.58", ATTENTION_456, CAUSAL_LM_456, DECODER_LAYER_456),
+            (">=5.5.4,<5.24", attention_5, CAUSAL_LM_5, DECODER_LAYER_5),
+            (">=5.24,<5.25", renamed_cache(attention_5), renamed_cache(CAUSAL_LM_5), renamed_cache(DECODER_LAYER_5)),
         )
     )
 
 
 register_family(
     LLAMA,
-    FastClasses(FastLlamaRMSNorm, FastLlamaAttention, FastLlamaMLP, FastLlamaForCausalLM),
+    FastClasses(FastLlamaRMSNorm, FastLlamaAttention, FastLlamaMLP, FastLlamaForCausalLM, FastLlamaDecoderLayer),
     ranges(ATTENTION_5_DEFAULTS),
 )
 register_family(
     MISTRAL,
-    FastClasses(FastMistralRMSNorm, FastMistralAttention, FastMistralMLP, FastMistralForCausalLM),
+    FastClasses(
+        FastMistralRMSNorm, FastMistralAttention, FastMistralMLP, FastMistralForCausalLM, FastMistralDecoderLayer
+    ),
     ranges(),
 )

@@ -24,6 +24,7 @@ from fastft.patches.decoder import (
     register_family,
     rms_norm_forward,
 )
+from fastft.patches.fused_layer import decoder_layer_forward, returns_tuple
 from fastft.patches.llama import ranges
 
 
@@ -60,6 +61,12 @@ class FastQwen2Attention(qwen2.Qwen2Attention):
     forward = attention_forward(QWEN2, qwen2.Qwen2Attention)
 
 
+class FastQwen2DecoderLayer(qwen2.Qwen2DecoderLayer):
+    """``Qwen2DecoderLayer`` as one fused autograd node where all its parts are fused (else upstream's forward)."""
+
+    forward = decoder_layer_forward(QWEN2, qwen2.Qwen2DecoderLayer, returns_tuple())
+
+
 class FastQwen2ForCausalLM(FusedLossState, qwen2.Qwen2ForCausalLM):
     """``Qwen2ForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
 
@@ -90,5 +97,9 @@ class FastQwen3ForCausalLM(FusedLossState, qwen3.Qwen3ForCausalLM):
     forward = causal_lm_forward(qwen3.Qwen3ForCausalLM)
 
 
-register_family(QWEN2, FastClasses(FastQwen2RMSNorm, FastQwen2Attention, FastQwen2MLP, FastQwen2ForCausalLM), ranges())
+register_family(
+    QWEN2,
+    FastClasses(FastQwen2RMSNorm, FastQwen2Attention, FastQwen2MLP, FastQwen2ForCausalLM, FastQwen2DecoderLayer),
+    ranges(),
+)
 register_family(QWEN3, FastClasses(FastQwen3RMSNorm, FastQwen3Attention, FastQwen3MLP, FastQwen3ForCausalLM), ranges())

@@ -1,0 +1,368 @@
+"""A whole pre-norm decoder layer with LoRA as one autograd node: norm, q / k / v with RoPE, attention, o, residual,
+norm, gated MLP, residual.
+
+Run as separate nodes (:func:`~fastft.kernels.rms_norm`, :func:`~fastft.kernels.lora_qkv_rope`, the attention, the
+o group, two residual adds, :class:`~fastft.kernels.LoRAMLP`), a layer costs the autograd engine nine nodes in
+backward, each with its own Python call, saved-tensor unpacking and gradient routing, and costs the forward as many
+``Function.apply`` calls. On a GPU that host time is time the GPU waits. Here the forward is one straight-line
+function over the same kernel math (:func:`~fastft.kernels.lora_qkv_rope.qkv_rope_forward`,
+:meth:`LoRAGroup.forward_math <fastft.kernels.lora_group.LoRAGroup.forward_math>`,
+:func:`~fastft.kernels.lora_mlp.mlp_forward`, the RMSNorm kernel) and the backward one straight-line function over
+their backward math, so a layer is one node, and the numbers are the separate nodes' own, bit for bit.
+
+The attention itself stays the caller's (eager, sdpa, flash, a sliding window, dropout): ``attend(q, k, v)`` runs in
+the forward with autograd on over q, k and v alone, and the backward differentiates that small graph. Saved: what the
+separate nodes save (x, the normed inputs of each group, the small X Aᵀ's, the gate / up pre-activations, the
+attention's own saved tensors), nothing more.
+
+With grad mode off (checkpointing's forward, a replay) the same forward runs and keeps nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fastft.kernels.custom_ops import direct_apply
+from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_mlp import LoRAMLP, mlp_backward, mlp_forward
+from fastft.kernels.lora_projection import autocast_off
+from fastft.kernels.lora_qkv_rope import qkv_rope_backward, qkv_rope_forward
+from fastft.kernels.rms_norm import _backward as rms_norm_backward
+from fastft.kernels.rms_norm import _forward as rms_norm_forward
+
+# attend(q, k, v) -> the attention output as [batch, seq, heads · head_dim] (what the o projection reads).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayerSpec:
+    """What one layer's node needs besides its tensors: the three fused groups, the norms' epsilons and head_dim.
+
+    Built once per layer plan (the groups are checked when they are made), immutable after.
+
+    Args:
+        qkv: The q | k | v group (three projections).
+        o: The o group.
+        mlp: The gated MLP.
+        input_eps: ``input_layernorm``'s epsilon.
+        post_eps: ``post_attention_layernorm``'s epsilon.
+        head_dim: The attention's head_dim.
+    """
+
+    __slots__ = ("head_dim", "input_eps", "mlp", "o", "post_eps", "qkv", "sizes")
+
+    def __init__(self, qkv: LoRAGroup, o: LoRAGroup, mlp: LoRAMLP, input_eps: float, post_eps: float, head_dim: int):
+        self.qkv, self.o, self.mlp = qkv, o, mlp
+        self.input_eps, self.post_eps, self.head_dim = float(input_eps), float(post_eps), int(head_dim)
+        # How many adapter tensors each part takes, in adapters() order.
+        self.sizes = (len(qkv._adapters), len(o._adapters), len(mlp._adapters))
+
+    def adapters(self) -> tuple[torch.Tensor, ...]:
+        """Every A and B of the layer: the q / k / v group's, o's, then the MLP's (each part as it orders them)."""
+        return self.qkv._adapters + self.o._adapters + self.mlp._adapters
+
+    def split(self, adapters: Sequence[torch.Tensor]) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any]]:
+        qkv, o, _ = self.sizes
+        return adapters[:qkv], adapters[qkv : qkv + o], adapters[qkv + o :]
+
+
+def _forward(
+    spec: DecoderLayerSpec,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+    input_weight: torch.Tensor,
+    post_weight: torch.Tensor,
+    adapters: Sequence[torch.Tensor],
+    dtype: torch.dtype | None,
+    ctx: Any,
+) -> torch.Tensor:
+    """The layer's output; with ``ctx`` (an autograd context) also what the backward needs, saved on it.
+
+    ``dtype``: the autocast dtype (None without autocast). Each part then runs as its own node would: the norms and
+    the attention under the caller's autocast, the projection groups with autocast off on inputs cast to ``dtype``.
+    """
+    batch, seq, hidden = x.shape
+    x2d = x.reshape(-1, hidden)
+    qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
+    casts: tuple[dict[str, Any], ...] | None = ({}, {}, ({}, {})) if ctx is not None else None
+
+    normed, input_rstd = rms_norm_forward(x2d, input_weight, spec.input_eps, 0.0, True)
+    group_in = normed if dtype is None else normed.to(dtype)
+    with _autocast_off(x, dtype):
+        query, key, value, xa_qkv = qkv_rope_forward(
+            spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts and casts[0]
+        )
+    if ctx is None:
+        attention = attend(query, key, value)
+        graph = None
+    else:
+        # The attention's own graph over q, k and v only: its backward is the one thing differentiated by autograd.
+        with torch.enable_grad():
+            query, key, value = query.requires_grad_(), key.requires_grad_(), value.requires_grad_()
+            out = attend(query, key, value)
+        graph = (query, key, value, out)
+        attention = out.detach()
+    attention2d = attention.reshape(batch * seq, -1)
+    o_in = attention2d if dtype is None else attention2d.to(dtype)
+    with _autocast_off(x, dtype):
+        (o_out,), xa_o = spec.o.forward_math(o_in, o_adapters, casts and casts[1])
+    hidden_states = x2d + o_out
+
+    post_normed, post_rstd = rms_norm_forward(hidden_states, post_weight, spec.post_eps, 0.0, True)
+    mlp_in = post_normed if dtype is None else post_normed.to(dtype)
+    with _autocast_off(x, dtype):
+        mlp_out, mlp_saved = mlp_forward(spec.mlp, mlp_in, mlp_adapters, casts[2] if casts else ({}, {}))
+    out = hidden_states + mlp_out
+
+    if ctx is not None:
+        ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
+        ctx.save_for_backward(
+            x2d,
+            input_rstd,
+            group_in,
+            xa_qkv,
+            cos,
+            sin,
+            o_in,
+            xa_o,
+            hidden_states,
+            post_rstd,
+            mlp_in,
+            *mlp_saved,
+            input_weight,
+            post_weight,
+            *adapters,
+        )
+    return out.view(batch, seq, out.shape[-1])
+
+
+def attention_backward(
+    out: torch.Tensor, leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """The gradients of q, k and v (``leaves``) from the attention's output gradient.
+
+    The graph ``attend`` built is usually a chain: the attention kernel's node over the three leaves, then the views,
+    transposes and copies that lay its output out. A chain is differentiated by calling its nodes in turn, which costs
+    a fraction of a pass of the autograd engine (its graph task, ready queue and input buffers) on every layer of
+    every step. Anything else (repeated k / v heads, eager attention's matmuls, a mask that needs a gradient) goes
+    through ``torch.autograd.grad``.
+    """
+    # A node called by hand takes the gradient of its first output only.
+    chain, ends = _chain(out.grad_fn, leaves) if out.output_nr == 0 else (None, [])
+    if chain is None:
+        return list(torch.autograd.grad(out, leaves, grad, allow_unused=True))
+    flowing = grad
+    for node in chain[:-1]:
+        flowing = _as_tuple(node(flowing))[0]
+    found: list[torch.Tensor | None] = [None, None, None]
+    for end, value in zip(ends, _as_tuple(chain[-1](flowing)), strict=True):
+        if end >= 0:
+            found[end] = value
+    if any(value is None for value in found):
+        # Inside another backward that asked for some gradients only (torch.autograd.grad with inputs=, as a
+        # checkpoint's recompute does), a node called by hand computes only what that pass needs: none of this.
+        return list(torch.autograd.grad(out, leaves, grad, allow_unused=True))
+    return found
+
+
+def _chain(node: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[list[Any] | None, list[int]]:
+    """The nodes from ``node`` down to the one whose every input is a leaf (or needs no gradient), with the leaf
+    index of each of that node's inputs; ``(None, [])`` where the graph branches or ends elsewhere."""
+    chain = []
+    while node is not None:
+        chain.append(node)
+        edges = node.next_functions
+        ends = [_leaf_index(function, leaves) for function, _ in edges]
+        if all(end is not None for end in ends):
+            return chain, ends
+        if len(edges) != 1 or edges[0][1] != 0:
+            return None, []
+        node = edges[0][0]
+    return None, []
+
+
+def _leaf_index(function: Any, leaves: tuple[torch.Tensor, ...]) -> int | None:
+    """Which leaf an edge ends in (-1: an input that needs no gradient), or None for any other node."""
+    if function is None:
+        return -1
+    variable = getattr(function, "variable", None)
+    if variable is None:
+        return None
+    for index, leaf in enumerate(leaves):
+        if variable is leaf:
+            return index
+    return None
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _autocast_off(x: torch.Tensor, dtype: torch.dtype | None) -> Any:
+    return _NO_CONTEXT if dtype is None else autocast_off(x)
+
+
+class _NoContext:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CONTEXT = _NoContext()
+
+
+# x, spec, cos, sin, attend, dtype, input_weight, post_weight: which are tensors (the adapters all are).
+_TENSOR_ARGUMENTS = (True, False, True, True, False, False, True, True)
+
+
+class LoRADecoderLayerFunction(torch.autograd.Function):
+    """Eager node of :func:`lora_decoder_layer`: arguments ``(x, spec, cos, sin, attend, dtype, input_weight,
+    post_weight, *adapters)``, output the layer's hidden states."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        spec: DecoderLayerSpec,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        dtype: torch.dtype | None,
+        input_weight: torch.Tensor,
+        post_weight: torch.Tensor,
+        *adapters: torch.Tensor,
+    ) -> torch.Tensor:
+        # Which arguments are tensors (the node's edges): fastft's checkpointer calls this node by hand.
+        ctx.tensor_inputs = _TENSOR_ARGUMENTS + (True,) * len(adapters)
+        return _forward(spec, x, cos, sin, attend, input_weight, post_weight, adapters, dtype, ctx)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        spec: DecoderLayerSpec = ctx.spec
+        (
+            x2d,
+            input_rstd,
+            group_in,
+            xa_qkv,
+            cos,
+            sin,
+            o_in,
+            xa_o,
+            hidden_states,
+            post_rstd,
+            mlp_in,
+            xa_gate_up,
+            gate,
+            up,
+            xa_down,
+            input_weight,
+            post_weight,
+            *adapters,
+        ) = ctx.saved_tensors
+        qkv_casts, o_casts, mlp_casts = ctx.casts
+        batch, seq, hidden = ctx.shape
+        needs = ctx.needs_input_grad
+        qkv_count, o_count, mlp_count = spec.sizes
+        first = 8  # the position of the first adapter among the node's inputs
+        # dX of the q / k / v group only where x or the input norm's weight takes a gradient (not in the first layer).
+        qkv_needs = (needs[0] or needs[6], *needs[first : first + qkv_count])
+        o_needs = (True, *needs[first + qkv_count : first + qkv_count + o_count])
+        mlp_flags = needs[first + qkv_count + o_count :]
+        half = mlp_count // 2
+        mlp_needs = [mlp_flags[j] or mlp_flags[half + j] for j in range(half)]
+        qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
+
+        grad2d = grad.reshape(-1, hidden)
+        grad_mlp_in, mlp_a, mlp_b = mlp_backward(
+            spec.mlp, mlp_in, (xa_gate_up, gate, up, xa_down), mlp_adapters, grad2d, True, mlp_needs, mlp_casts
+        )
+        grad_post, grad_post_weight = rms_norm_backward(
+            grad_mlp_in, hidden_states, post_weight, post_rstd, 0.0, True, True, needs[7]
+        )
+        grad_hidden = grad_post.add_(grad2d) if grad_post.dtype == grad2d.dtype else grad_post + grad2d
+
+        grad_o_in, o_a, o_b = spec.o.backward_math(o_in, xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts)
+        query, key, value, out = ctx.graph
+        ctx.graph = None
+        grad_out = grad_o_in.view(out.shape)
+        if grad_out.dtype != out.dtype:
+            grad_out = grad_out.to(out.dtype)
+        grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
+        grad_in, qkv_a, qkv_b = qkv_rope_backward(
+            spec.qkv, group_in, xa_qkv, cos, sin, qkv_adapters, (grad_q, grad_k, grad_v), qkv_needs, 1, qkv_casts
+        )
+        grad_x = grad_input_weight = None
+        if grad_in is not None:
+            grad_x, grad_input_weight = rms_norm_backward(
+                grad_in, x2d, input_weight, input_rstd, 0.0, True, needs[0], needs[6]
+            )
+        if needs[0]:
+            grad_x = (grad_x.add_(grad_hidden) if grad_x.dtype == grad_hidden.dtype else grad_x + grad_hidden).view(
+                batch, seq, hidden
+            )
+        return (
+            grad_x,
+            None,
+            None,
+            None,
+            None,
+            None,
+            grad_input_weight,
+            grad_post_weight,
+            *qkv_a,
+            *qkv_b,
+            *o_a,
+            *o_b,
+            *mlp_a,
+            *mlp_b,
+        )
+
+
+_apply = direct_apply(LoRADecoderLayerFunction)
+
+
+def lora_decoder_layer(
+    spec: DecoderLayerSpec,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+    input_weight: torch.Tensor,
+    post_weight: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A Llama-shaped decoder layer (``x + o(attn(rope(qkv(norm(x)))))``, then ``h + mlp(norm(h))``) as one node.
+
+    Args:
+        spec: The layer's groups and sizes.
+        x: Hidden states ``[batch, seq, hidden]``.
+        cos: The rotary table ``[batch or 1, seq, head_dim]`` (no gradient flows to it).
+        sin: Same shape as cos.
+        attend: ``attend(q, k, v)`` with q, k, v ``[batch, heads or kv_heads, seq, head_dim]`` returns the attention
+            output ``[batch, seq, heads · head_dim]`` (differentiable in q, k and v).
+        input_weight: ``input_layernorm``'s weight (Llama's RMSNorm); gets a gradient when it requires one.
+        post_weight: ``post_attention_layernorm``'s weight.
+        dtype: The autocast dtype the caller runs under, or None.
+
+    Returns:
+        The layer's output ``[batch, seq, hidden]``, equal to the separate fused nodes' output, with gradients for
+        x, both norm weights (where they require grad) and every A and B.
+    """
+    adapters = spec.adapters()
+    if not torch.is_grad_enabled():
+        # Nothing will be recorded (checkpointing's forward, a replay, evaluation): the same math, nothing kept.
+        return _forward(spec, x, cos, sin, attend, input_weight, post_weight, adapters, dtype, None)
+    return _apply(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *adapters)
+
+
+__all__ = ["DecoderLayerSpec", "LoRADecoderLayerFunction", "lora_decoder_layer"]

@@ -1,0 +1,136 @@
+"""The decoder layer as one autograd node (fastft.patches.fused_layer, fastft.kernels.lora_decoder_layer): the same
+loss and gradients as the per-module fused path, bit for bit where nothing else differs, on every path it takes and
+every reason it steps aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import count, graph_nodes, lora_model, make_batch, save_family
+
+from fastft.patches.fused_layer import upstream_layer_forward
+
+FUSED_NODE = "LoRADecoderLayerFunctionBackward"
+FAMILIES = ["llama", "mistral", "qwen2"]
+
+
+def _layers(model) -> list[torch.nn.Module]:
+    return list(model.get_base_model().model.layers)
+
+
+def _per_module(model) -> None:
+    """Put the layers back on upstream's class: each part still runs its own fused patch, as before this node."""
+    for layer in _layers(model):
+        layer.__class__ = type(layer).__mro__[1]
+
+
+def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    nodes = graph_nodes(loss)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return loss.detach(), grads, nodes
+
+
+def _assert_same(fused, separate, batch, tolerance: float = 0.0) -> list[str]:
+    loss, grads, nodes = _loss_and_grads(fused, batch)
+    expected_loss, expected, _ = _loss_and_grads(separate, batch)
+    assert torch.allclose(loss, expected_loss, rtol=tolerance, atol=tolerance), (loss, expected_loss)
+    assert grads.keys() == expected.keys() and any("lora_A" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected[name], rtol=tolerance, atol=tolerance), name
+    return nodes
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_folder(request, tmp_path_factory, smol_tokenizer) -> str:
+    return save_family(tmp_path_factory.mktemp(request.param), request.param, smol_tokenizer)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
+def test_one_node_per_layer_and_the_per_module_numbers(family_folder, checkpointing):
+    fused = lora_model(family_folder, patch=True, checkpointing=checkpointing)
+    separate = lora_model(family_folder, patch=True, checkpointing=checkpointing)
+    _per_module(separate)
+    batch = make_batch(fused.config.vocab_size, batch=2, seq=9, pad=3)
+    nodes = _assert_same(fused, separate, batch)
+    layers = len(_layers(fused))
+    if checkpointing is False:
+        assert count(nodes, FUSED_NODE) == layers
+        assert count(nodes, "LoRAMLPFunction") == 0 and count(nodes, "RMSNormFunction") == 1  # the final norm
+
+
+def test_kernel_paths_agree_with_the_separate_nodes(kernel_path, smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    fused = lora_model(folder, patch=True, checkpointing=False)
+    separate = lora_model(folder, patch=True, checkpointing=False)
+    _per_module(separate)
+    batch = make_batch(fused.config.vocab_size, batch=2, seq=7, pad=2)
+    nodes = _assert_same(fused, separate, batch, tolerance=1e-6)
+    assert count(nodes, FUSED_NODE) == len(_layers(fused))
+
+
+def test_under_autocast_it_casts_where_each_node_would(smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    fused = lora_model(folder, patch=True, checkpointing=False)
+    separate = lora_model(folder, patch=True, checkpointing=False)
+    _per_module(separate)
+    batch = make_batch(fused.config.vocab_size, batch=2, seq=7, pad=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nodes = _assert_same(fused, separate, batch)
+    assert count(nodes, FUSED_NODE) == len(_layers(fused))
+
+
+def test_trainable_norms_get_their_gradients(smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    models = [lora_model(folder, patch=True, checkpointing=False) for _ in range(2)]
+    _per_module(models[1])
+    for model in models:
+        for layer in _layers(model):
+            layer.input_layernorm.weight.requires_grad_(True)
+            layer.post_attention_layernorm.weight.requires_grad_(True)
+    batch = make_batch(models[0].config.vocab_size, batch=1, seq=6)
+    _, grads, nodes = _loss_and_grads(models[0], batch)
+    assert count(nodes, FUSED_NODE) == len(_layers(models[0]))
+    assert any("input_layernorm" in name for name in grads) and any("post_attention" in name for name in grads)
+    _assert_same(*models, batch)
+
+
+def test_it_steps_aside_for_a_hook_a_cache_and_attention_weights(smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    model = lora_model(folder, patch=True, checkpointing=False)
+    batch = make_batch(model.config.vocab_size, batch=1, seq=5)
+    layer = _layers(model)[0]
+    seen = []
+    handle = layer.mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    _, _, nodes = _loss_and_grads(model, batch)
+    handle.remove()
+    # The hooked layer runs part by part (its hook fires); the others stay one node each.
+    assert seen == [torch.Size([1, 5, model.config.hidden_size])]
+    assert count(nodes, FUSED_NODE) == len(_layers(model)) - 1
+    _, _, nodes = _loss_and_grads(model, batch)
+    assert count(nodes, FUSED_NODE) == len(_layers(model))
+
+    # Generation with a KV cache, and attention weights asked for: upstream's forward, the same tokens as stock.
+    stock = lora_model(folder, patch=False, checkpointing=False)
+    with torch.no_grad():
+        ids = batch["input_ids"]
+        tokens = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=True)
+        expected = stock.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=True)
+    assert torch.equal(tokens, expected)
+
+
+def test_the_class_changes_forward_only_and_keeps_transformers_checkpoint_wrapper(smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    model = lora_model(folder, patch=True, checkpointing=False)
+    layer = _layers(model)[0]
+    fast, upstream = type(layer), type(layer).__mro__[1]
+    assert fast.__name__ == "FastLlamaDecoderLayer" and upstream.__name__ == "LlamaDecoderLayer"
+    assert set(vars(fast)) - {"__module__", "__doc__", "__qualname__", "__firstlineno__", "__static_attributes__"} == {
+        "forward"
+    }
+    assert upstream_layer_forward(fast) is not upstream_layer_forward(upstream)
+    # transformers >= 5.23 checkpoints in a wrapper around every subclass's forward: fastft's checkpointer still
+    # receives the call (use_gradient_checkpointing=True ran above through the same class).
+    assert "forward" not in vars(layer)
