@@ -11,7 +11,7 @@ from parity import FAMILIES, GRAD_TOLERANCE, LOSS_TOLERANCE, lora_model, loss_an
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from fastft import FastModel
-from fastft.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
+from fastft.loading.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
 
 pytestmark = pytest.mark.lane
 
