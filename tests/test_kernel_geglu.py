@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from test_kernel_gates import GATES, float64_gate, intermediates
 
 from fastft.kernels.geglu import geglu, geglu_reference
 from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_mlp
@@ -25,19 +26,7 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 
 def float64_geglu(gate, up, dh):
-    """Output and (d_gate, d_up) by float64 autograd from the same, already rounded, inputs."""
-    g = gate.detach().double().requires_grad_()
-    u = up.detach().double().requires_grad_()
-    h = gelu_tanh(g) * u
-    h.backward(dh.double())
-    return h.detach(), g.grad, u.grad
-
-
-def intermediates(gate0, up0):
-    """Leaves, and non-leaf copies of them: what gate_proj / up_proj hand the MLP, the case written in place."""
-    gate_leaf = gate0.clone().requires_grad_()
-    up_leaf = up0.clone().requires_grad_()
-    return gate_leaf, up_leaf, gate_leaf.clone(), up_leaf.clone()
+    return float64_gate(GATES["geglu"], gate, up, dh)
 
 
 def test_extreme_gates_stay_finite(kernel_path, gen):
