@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fastft.environment import describe_device, device_slug, package_versions
+from fastft.bench.environment import describe_device, device_slug, package_versions
+from fastft.bench.measure import SavedTensorBytes
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import fused_linear_cross_entropy
 from fastft.kernels.nf4 import dequantize_nf4, nf4_linear
 from fastft.kernels.rms_norm import rms_norm
 from fastft.kernels.rope import apply_rope
 from fastft.kernels.swiglu import swiglu
-from fastft.measure import SavedTensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -63,9 +63,9 @@ if __name__ == "__main__":
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _here]
 
 import argparse
-import contextlib
 import functools
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -73,315 +73,80 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from fastft.environment import describe_device, device_slug, package_versions
+from fastft.bench.environment import describe_device, device_slug, package_versions
+from fastft.bench.measure import SavedTensorBytes
 from fastft.kernels import dispatch, gemm_tuner
 from fastft.kernels.gemm_tuner import NF4_DEQUANT_ENV
-from fastft.kernels.lora_mlp import lora_mlp
-from fastft.kernels.lora_o import lora_o
 from fastft.kernels.lora_projection import LoRAWeights, release_buffers
-from fastft.kernels.lora_qkv import lora_qkv
-from fastft.measure import SavedTensorBytes
+
+
+def _load_sibling(name: str) -> Any:
+    """A module of this folder, loaded from its file: the folder itself stays off ``sys.path``."""
+    spec = importlib.util.spec_from_file_location(
+        f"_fastft_bench_{name}", Path(__file__).resolve().parent / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    # In sys.modules before it runs: its dataclasses look their module up there.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_workload = _load_sibling("lora_workload")
+_report = _load_sibling("lora_report")
+FASTFT_SYSTEMS, NOISE_MIN, SYSTEMS, TARGET_PEFT_OVER_QKV, TARGET_QKV_OVER_FLOOR = (
+    _report.FASTFT_SYSTEMS,
+    _report.NOISE_MIN,
+    _report.SYSTEMS,
+    _report.TARGET_PEFT_OVER_QKV,
+    _report.TARGET_QKV_OVER_FLOOR,
+)
+auto_path, evaluate_targets, format_table, format_targets, ratio_noise, row_ratios, summarise = (
+    _report.auto_path,
+    _report.evaluate_targets,
+    _report.format_table,
+    _report.format_targets,
+    _report.ratio_noise,
+    _report.row_ratios,
+    _report.summarise,
+)
+GROUPS, NF4_IN_KERNEL, SHAPES, SYSTEM_MODES = (
+    _workload.GROUPS,
+    _workload.NF4_IN_KERNEL,
+    _workload.SHAPES,
+    _workload.SYSTEM_MODES,
+)
+Shape, Workload, base_flops, build_workload, clear_grads = (
+    _workload.Shape,
+    _workload.Workload,
+    _workload.base_flops,
+    _workload.build_workload,
+    _workload.clear_grads,
+)
+fastft_forward, gemm_mode, in_mode, linear, make_step, projections_of, system_forward = (
+    _workload.fastft_forward,
+    _workload.gemm_mode,
+    _workload.in_mode,
+    _workload.linear,
+    _workload.make_step,
+    _workload.projections_of,
+    _workload.system_forward,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUPS = ("qkv", "o", "mlp")
 CPU_GROUPS = ("qkv",)
-FASTFT_SYSTEMS = ("cublas", "triton", "auto")
-SYSTEMS = (*FASTFT_SYSTEMS, "peft", "floor")
 CPU_SYSTEMS = ("auto", "peft", "floor")
-NF4_IN_KERNEL = "nf4_in_kernel"
-# Per fastft system: the GEMM mode forced for the call and FASTFT_NF4_DEQUANT (None: unset, so the tuner lets the
-# buffer and the in-kernel decode compete, as a user's default run does).
-SYSTEM_MODES: dict[str, tuple[str, str | None]] = {
-    "cublas": ("cublas", None),
-    "triton": ("triton", "buffer"),
-    "auto": ("auto", None),
-    NF4_IN_KERNEL: ("triton", "kernel"),
-}
-# What fastft must reach on a GPU: the tuner's choice no slower than cuBLAS (within the measured noise, and never
-# less tolerance than NOISE_MIN), LoRA-QKV at most 15 % over the bare base GEMMs and at least 1.5x faster than peft.
-NOISE_MIN = 0.01
-TARGET_QKV_OVER_FLOOR = 1.15
-TARGET_PEFT_OVER_QKV = 1.5
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The projections of one Llama layer and the tokens of one micro-batch."""
-
-    hidden: int
-    q_out: int
-    kv_out: int
-    intermediate: int
-    rank: int
-    tokens: int
-
-
-SHAPES = {
-    # 32 heads / 8 kv heads of 128: q 4096 wide, k and v 1024.
-    "llama-3-8b": Shape(hidden=4096, q_out=4096, kv_out=1024, intermediate=14336, rank=16, tokens=8192),
-    # 32 heads / 8 kv heads of 64: q 2048 wide, k and v 512.
-    "llama-3.2-1b": Shape(hidden=2048, q_out=2048, kv_out=512, intermediate=8192, rank=16, tokens=8192),
-    # GQA at a size the CPU harness check (and the test suite) can afford.
-    "tiny": Shape(hidden=128, q_out=128, kv_out=64, intermediate=256, rank=16, tokens=256),
-}
 GPU_SHAPES = ("llama-3-8b", "llama-3.2-1b")
 CPU_SHAPES = ("tiny",)
-
-
-def projections_of(shape: Shape, group: str) -> list[tuple[str, int, int]]:
-    """``(name, out_features, in_features)`` of each projection of ``group``, in the fused function's order."""
-    if group == "qkv":
-        return [
-            ("q_proj", shape.q_out, shape.hidden),
-            ("k_proj", shape.kv_out, shape.hidden),
-            ("v_proj", shape.kv_out, shape.hidden),
-        ]
-    if group == "o":
-        return [("o_proj", shape.hidden, shape.q_out)]
-    if group == "mlp":
-        return [
-            ("gate_proj", shape.intermediate, shape.hidden),
-            ("up_proj", shape.intermediate, shape.hidden),
-            ("down_proj", shape.hidden, shape.intermediate),
-        ]
-    raise ValueError(f"unknown group {group!r}; choose from {GROUPS}")
-
-
-def base_flops(shape: Shape, group: str) -> int:
-    """FLOPs of the group's base GEMMs: ``X Wᵀ`` forward and ``dY W`` backward, per projection."""
-    return sum(2 * 2 * shape.tokens * out * inp for _, out, inp in projections_of(shape, group))
-
-
-class _Group(torch.nn.Module):
-    """The projections peft wraps, and what the layer does between them (SwiGLU for the MLP), nothing else."""
-
-    def __init__(self, group: str, layers: dict[str, torch.nn.Module]) -> None:
-        super().__init__()
-        self.group = group
-        for name, layer in layers.items():
-            self.add_module(name, layer)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.group == "qkv":
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.group == "o":
-            return (self.o_proj(x),)
-        # LlamaMLP: down(silu(gate(x)) * up(x)).
-        return (self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)),)
-
-
-def fastft_forward(group: str, x: torch.Tensor, weights: list[LoRAWeights]) -> tuple[torch.Tensor, ...]:
-    """fastft's fused function for ``group``; always a tuple of outputs."""
-    if group == "qkv":
-        return lora_qkv(x, *weights)
-    if group == "o":
-        return (lora_o(x, weights[0]),)
-    return (lora_mlp(x, *weights),)
-
-
-@dataclass
-class Workload:
-    """One shape, group and weight format, built once: every system's forward and what correctness compares."""
-
-    group: str
-    x: torch.Tensor
-    # The group's output gradients, shared by fastft and peft.
-    upstream: list[torch.Tensor]
-    # The floor's: the same values as one [tokens, Σ out] gradient (qkv), or one per base GEMM (mlp).
-    floor_upstream: list[torch.Tensor]
-    # Leaves whose .grad a step fills (x, and the floor's MLP hidden state).
-    leaves: list[torch.Tensor]
-    lora_params: dict[str, torch.Tensor]
-    # Dense [out, in] base weights in the compute dtype (dequantised for NF4): the floor's and float64 reference's.
-    dense: list[torch.Tensor]
-    scales: list[float]
-    # "fastft" (run under a system's GEMM mode), "peft", "floor".
-    forward: dict[str, Callable[[], tuple[torch.Tensor, ...]]]
-    # Storages that exist whatever the system does (inputs, weights, upstream gradients): not counted as saved.
-    resident: tuple[torch.Tensor, ...]
-    # The class peft wrapped the first projection in (its bitsandbytes Linear4bit for NF4, lora.Linear otherwise).
-    peft_layer: str
-    names: list[str]
-
-
-def _linear(
-    weights: str, dense: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.nn.Module, torch.Tensor]:
-    """A bias-free base layer holding ``dense`` (``[out, in]``): ``nn.Linear`` or an NF4 ``Linear4bit``, and the
-    dense weight the floor multiplies by (for NF4, bitsandbytes' own dequantisation of the packed weight)."""
-    out_features, in_features = dense.shape
-    if weights != "nf4":
-        layer = torch.nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            layer.weight.copy_(dense)
-        layer.weight.requires_grad_(False)
-        return layer, layer.weight.detach()
-    import bitsandbytes as bnb
-    import bitsandbytes.functional as bnbf
-
-    layer = bnb.nn.Linear4bit(
-        in_features, out_features, bias=False, compute_dtype=dtype, compress_statistics=True, quant_type="nf4"
-    )
-    # Quantised from the compute dtype, as a bf16 checkpoint loaded with load_in_4bit is (quant_state.dtype = dtype);
-    # double quantisation and blocksize 64 are QLoRA's settings.
-    layer.weight = bnb.nn.Params4bit(
-        dense.to(dtype), requires_grad=False, blocksize=64, compress_statistics=True, quant_type="nf4", module=layer
-    )
-    layer = layer.to(device)
-    packed = layer.weight
-    return layer, bnbf.dequantize_4bit(packed.data, packed.quant_state).to(dtype)
-
-
-def build_workload(
-    shape: Shape, group: str, weights: str, dtype: torch.dtype, device: torch.device, seed: int
-) -> Workload:
-    """Random base weights, peft's LoRA model over them, and the fastft and floor steps over the same tensors."""
-    from peft import LoraConfig, get_peft_model
-
-    gen = torch.Generator().manual_seed(seed)
-    specs = projections_of(shape, group)
-    names = [name for name, _, _ in specs]
-    layers, dense = {}, []
-    for name, out_features, in_features in specs:
-        layer, dense_weight = _linear(
-            weights, torch.randn(out_features, in_features, generator=gen) * 0.02, dtype, device
-        )
-        layers[name] = layer
-        dense.append(dense_weight.contiguous())
-    config = LoraConfig(r=shape.rank, lora_alpha=16, target_modules=names, lora_dropout=0.0, bias="none")
-    base = _Group(group, layers)
-    # transformers marks a model it loaded in 4 bit; peft reads that mark to wrap Linear4bit in its bitsandbytes LoRA
-    # layer (peft.tuners.lora.bnb.Linear4bit), and without it falls back to the generic lora.Linear.
-    base.is_loaded_in_4bit = weights == "nf4"
-    model = get_peft_model(base, config, autocast_adapter_dtype=False)
-    model.train()
-
-    lora_params, scales, fused_weights = {}, [], []
-    with torch.no_grad():
-        for name, out_features, in_features in specs:
-            module = getattr(model.base_model.model, name)
-            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-            # peft leaves adapters of a 4-bit base in fp32; keep every system in the compute dtype. B is made
-            # non-zero (its default zero would hide every dA error), A unit-scale per input feature.
-            a.data = (torch.randn(shape.rank, in_features, generator=gen) / math.sqrt(in_features)).to(device, dtype)
-            b.data = (torch.randn(out_features, shape.rank, generator=gen) * 0.02).to(device, dtype)
-            lora_params[f"{name}.lora_A"], lora_params[f"{name}.lora_B"] = a, b
-            scale = float(module.scaling["default"])
-            scales.append(scale)
-            fused_weights.append(LoRAWeights(module.base_layer.weight, a, b, scale))
-
-    x = torch.randn(shape.tokens, specs[0][2], generator=gen).to(device, dtype).requires_grad_()
-    out_widths = [specs[-1][1]] if group == "mlp" else [out for _, out, _ in specs]
-    upstream = [torch.randn(shape.tokens, width, generator=gen).to(device, dtype) for width in out_widths]
-    leaves = [x]
-    # The floor's operands, concatenated once outside the timed step.
-    if group == "mlp":
-        w_gate_up = torch.cat(dense[:2], dim=0)
-        w_down = dense[2]
-        hidden = torch.randn(shape.tokens, shape.intermediate, generator=gen).to(device, dtype).requires_grad_()
-        leaves.append(hidden)
-        floor_upstream = [
-            torch.randn(shape.tokens, 2 * shape.intermediate, generator=gen).to(device, dtype),
-            upstream[0],
-        ]
-        floor_weights: tuple[torch.Tensor, ...] = (w_gate_up, w_down)
-
-        def floor_forward() -> tuple[torch.Tensor, ...]:
-            return x @ w_gate_up.t(), hidden @ w_down.t()
-
-    else:
-        w_cat = torch.cat(dense, dim=0) if len(dense) > 1 else dense[0]
-        floor_upstream = [torch.cat(upstream, dim=1) if len(upstream) > 1 else upstream[0]]
-        floor_weights = (w_cat,)
-
-        def floor_forward() -> tuple[torch.Tensor, ...]:
-            return (x @ w_cat.t(),)
-
-    forward = {
-        "fastft": lambda: fastft_forward(group, x, fused_weights),
-        "peft": lambda: model(x),
-        "floor": floor_forward,
-    }
-    resident = (
-        *leaves,
-        *floor_weights,
-        *floor_upstream,
-        *dense,
-        *upstream,
-        *lora_params.values(),
-        *model.parameters(),
-    )
-    first = getattr(model.base_model.model, names[0])
-    peft_layer = f"{type(first).__module__}.{type(first).__name__}"
-    return Workload(
-        group, x, upstream, floor_upstream, leaves, lora_params, dense, scales, forward, resident, peft_layer, names
-    )
-
-
-@contextlib.contextmanager
-def gemm_mode(system: str) -> Iterator[None]:
-    """Run a fastft system's calls with its GEMM mode forced and ``FASTFT_NF4_DEQUANT`` as it needs (the
-    environment is restored after; fastft reads it on every call)."""
-    mode, decode = SYSTEM_MODES[system]
-    previous = os.environ.get(NF4_DEQUANT_ENV)
-    if decode is None:
-        os.environ.pop(NF4_DEQUANT_ENV, None)
-    else:
-        os.environ[NF4_DEQUANT_ENV] = decode
-    try:
-        with gemm_tuner.force(mode):
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop(NF4_DEQUANT_ENV, None)
-        else:
-            os.environ[NF4_DEQUANT_ENV] = previous
-
-
-def in_mode(system: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run under ``system``'s GEMM mode (fastft systems); peft and floor run as they are."""
-    if system not in SYSTEM_MODES:
-        return fn
-
-    def wrapped() -> Any:
-        with gemm_mode(system):
-            return fn()
-
-    return wrapped
-
-
-def system_forward(workload: Workload, system: str) -> Callable[[], tuple[torch.Tensor, ...]]:
-    if system in SYSTEM_MODES:
-        return in_mode(system, workload.forward["fastft"])
-    return workload.forward[system]
-
-
-def clear_grads(workload: Workload) -> None:
-    """Drop the gradients of the inputs and every LoRA parameter (so none accumulates, and their memory is free)."""
-    for leaf in workload.leaves:
-        leaf.grad = None
-    for param in workload.lora_params.values():
-        param.grad = None
-
-
-def make_step(workload: Workload, system: str) -> Callable[[], None]:
-    """One forward + backward of ``system``; gradients are cleared first so none accumulates across steps."""
-    forward = workload.forward["fastft" if system in SYSTEM_MODES else system]
-    upstream = workload.floor_upstream if system == "floor" else workload.upstream
-
-    def step() -> None:
-        clear_grads(workload)
-        outputs = forward()
-        torch.autograd.backward(list(outputs), list(upstream))
-
-    return in_mode(system, step)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -520,59 +285,6 @@ def probe_system(workload: Workload, system: str, device: torch.device) -> tuple
     return found, {"first_call_s": first_call_s, "choices": gemm_tuner.choices()}
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, high
-
-
-def _ratios(medians: dict[str, float]) -> dict[str, float]:
-    """Every ratio the targets and the README read, for the systems that ran."""
-    ratios = {}
-    for system in (*FASTFT_SYSTEMS, "peft"):
-        if system in medians and "floor" in medians:
-            ratios[f"{system}_over_floor"] = medians[system] / medians["floor"]
-    for system in ("triton", "auto"):
-        if system in medians and "cublas" in medians:
-            ratios[f"{system}_over_cublas"] = medians[system] / medians["cublas"]
-    for system in FASTFT_SYSTEMS:
-        if system in medians and "peft" in medians:
-            ratios[f"peft_over_{system}"] = medians["peft"] / medians[system]
-    return ratios
-
-
-def _noise(samples: dict[str, list[float]]) -> float | None:
-    """Tolerance of ``auto / cublas``: the interquartile range of the per-round ratios ``auto_i / cublas_i`` (both
-    timed in the same round, so slow drift cancels), at least ``NOISE_MIN``. When auto picked cuBLAS the two run the
-    same code, and this range is what comparing a path with itself reads."""
-    if "auto" not in samples or "cublas" not in samples:
-        return None
-    paired = [a / c for a, c in zip(samples["auto"], samples["cublas"], strict=True)]
-    low, high = _quartiles(paired)
-    return max(NOISE_MIN, high - low)
-
-
-def evaluate_targets(row: dict[str, Any], judged: bool) -> list[dict[str, Any]]:
-    """The issue's targets for one row, each with the measured value, the limit and ``met`` (None when not judged:
-    the targets are about the GPU's Triton dispatch, not a CPU or the interpreter)."""
-    ratios, targets = row["ratios"], []
-
-    def add(name: str, measured: float | None, limit: float, at_most: bool) -> None:
-        if measured is None:
-            return
-        met = (measured <= limit if at_most else measured >= limit) if judged else None
-        targets.append({"target": name, "measured": measured, "limit": limit, "met": met})
-
-    noise = row["auto_over_cublas_noise"]
-    if noise is not None:
-        add("auto <= cublas x (1 + noise)", ratios.get("auto_over_cublas"), 1 + noise, True)
-    if row["group"] == "qkv":
-        add("auto <= floor x 1.15", ratios.get("auto_over_floor"), TARGET_QKV_OVER_FLOOR, True)
-        add("peft >= auto x 1.5", ratios.get("peft_over_auto"), TARGET_PEFT_OVER_QKV, False)
-    return targets
-
-
 def run_one(
     name: str,
     shape: Shape,
@@ -641,8 +353,8 @@ def run_one(
         "gemm_choices": gemm,
         "ms": medians,
         "samples_ms": samples,
-        "ratios": _ratios(medians),
-        "auto_over_cublas_noise": _noise(samples),
+        "ratios": row_ratios(medians),
+        "auto_over_cublas_noise": ratio_noise(samples),
         "base_flops": flops,
         "base_tflop_per_s": {system: flops / (ms * 1e-3) / 1e12 for system, ms in medians.items()},
         "memory": memory,
@@ -666,75 +378,6 @@ def run_one(
     return row
 
 
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f}"
-
-
-def _ms(row: dict[str, Any], system: str) -> str:
-    value = row["ms"].get(system)
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _auto_path(row: dict[str, Any]) -> str:
-    choices = row["gemm_choices"].get("auto", {}).get("choices", [])
-    return ",".join(f"{c['group']}:{c['path']}" for c in choices) or "-"
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of the medians, the targeted ratios, memory, the auto path and the error vs peft."""
-    header = (
-        f"{'shape':13s} {'group':5s} {'weights':7s} "
-        + " ".join(f"{system + ' ms':>10s}" for system in SYSTEMS)
-        + f" {'auto/cublas':>11s} {'noise':>6s} {'auto/floor':>10s} {'peft/auto':>9s} {'peak MiB auto':>13s} "
-        f"{'err vs peft':>11s}  auto path"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        ratios = row["ratios"]
-        memory = row["memory"].get("auto")
-        errors = [value["max"] for key, value in row["correctness"].items() if key.endswith("_vs_peft")]
-        lines.append(
-            f"{row['shape']:13s} {row['group']:5s} {row['weights']:7s} "
-            + " ".join(f"{_ms(row, system):>10s}" for system in SYSTEMS)
-            + f" {_fmt(ratios.get('auto_over_cublas'), '.3f'):>11s} {_fmt(row['auto_over_cublas_noise'], '.3f'):>6s}"
-            f" {_fmt(ratios.get('auto_over_floor'), '.3f'):>10s} {_fmt(ratios.get('peft_over_auto'), '.2f'):>9s}"
-            f" {_mib(memory['peak_above_start_bytes'] if memory else None):>13s}"
-            f" {_fmt(max(errors) if errors else None, '.1e'):>11s}  {_auto_path(row)}"
-        )
-        decode = row.get("nf4_decode")
-        if decode:
-            lines.append(
-                f"{'':13s} {'':5s} {'':7s} NF4 decoded in the GEMM: {decode['in_kernel_ms']:.3f} ms against "
-                f"{decode['buffer_ms']:.3f} ms through the buffer ({decode['buffer_system']}; {decode['faster']} "
-                f"faster; outputs differ by {decode['in_kernel_vs_buffer_relative_error']:.1e})"
-            )
-    return "\n".join(lines)
-
-
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One line per row and target: what the README's target table is drawn from."""
-    return [
-        {"shape": row["shape"], "group": row["group"], "weights": row["weights"], **target}
-        for row in rows
-        for target in row["targets"]
-    ]
-
-
-def format_targets(summary: list[dict[str, Any]]) -> str:
-    lines = []
-    for entry in summary:
-        verdict = {True: "met", False: "NOT MET", None: "not judged (no GPU Triton dispatch)"}[entry["met"]]
-        lines.append(
-            f"{entry['shape']} {entry['group']} {entry['weights']}: {entry['target']}: {entry['measured']:.3f} "
-            f"(limit {entry['limit']:.3f}) {verdict}"
-        )
-    return "\n".join(lines)
-
-
 def _shape_with_tokens(shape: Shape, tokens: int | None) -> Shape:
     return shape if tokens is None else Shape(**{**asdict(shape), "tokens": tokens})
 
@@ -747,7 +390,7 @@ def _tuning_weights(
     fused = []
     specs = projections_of(shape, group)
     for _, out_features, in_features in specs:
-        layer, _ = _linear(weights, torch.randn(out_features, in_features, generator=gen) * 0.02, dtype, device)
+        layer, _ = linear(weights, torch.randn(out_features, in_features, generator=gen) * 0.02, dtype, device)
         a = (torch.randn(shape.rank, in_features, generator=gen) / math.sqrt(in_features)).to(device, dtype)
         b = (torch.randn(out_features, shape.rank, generator=gen) * 0.02).to(device, dtype)
         fused.append(LoRAWeights(layer.weight, a.requires_grad_(), b.requires_grad_(), 1.0))
@@ -915,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_one(name, shape, group, weights, dtype, device, systems, settings)
             rows.append(row)
             timed = ", ".join(f"{system} {ms:.3f}" for system, ms in row["ms"].items())
-            print(f"{name} {group} {weights}: {timed} ms; auto ran {_auto_path(row)}", flush=True)
+            print(f"{name} {group} {weights}: {timed} ms; auto ran {auto_path(row)}", flush=True)
         record = {"benchmark": "lora_groups", "runs": rows, "summary": summarise(rows)}
         # Every choice each fastft system made, row by row (the tuner keeps only the latest per bucket itself).
         gemm["choices"] = [

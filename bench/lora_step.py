@@ -66,7 +66,7 @@ SEED = 0
 
 def model_folder(model: str) -> str:
     """The folder both systems load: an alias's converted safetensors folder, else ``model`` itself."""
-    from fastft.embedded import materialise_gguf, resolve_alias
+    from fastft.loading.embedded import materialise_gguf, resolve_alias
 
     folder, gguf_file = resolve_alias(model, None)
     return str(materialise_gguf(folder, gguf_file)) if gguf_file is not None else folder
@@ -140,7 +140,7 @@ def saved_for_backward(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[
     ``saved_bytes_raw`` sums ``nbytes`` of every packed tensor, repeats included. Also counts the fused fastft
     nodes in the loss graph.
     """
-    from fastft.measure import SavedTensorBytes
+    from fastft.bench.measure import SavedTensorBytes
 
     with SavedTensorBytes(exclude=model.parameters()) as saved:
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
@@ -186,7 +186,7 @@ def lora_grads(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[float, 
 
 def rss_probe(name: str, folder: str, max_seq_length: int | None, batch: int, seq: int) -> dict[str, Any]:
     """In this (fresh) process: build ``name``, reset the RSS high-water mark, run one step, read the peak."""
-    from fastft.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
+    from fastft.bench.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
 
     model = build_system(name, folder, max_seq_length)
     randomize_lora_b(model, SEED + 1)
@@ -233,7 +233,7 @@ def _threads() -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build both systems, check they agree, time them alternately and return the JSON-ready record."""
     from fastft import patch_report
-    from fastft.environment import describe_device, package_versions
+    from fastft.bench.environment import describe_device, package_versions
     from fastft.kernels import dispatch
 
     if dispatch.INTERPRETED:

@@ -22,10 +22,10 @@ One step is a forward with ``labels = input_ids`` (random tokens, batch 1), ``lo
 out-of-memory error, allocator fragmentation or pinned host buffers cannot leak into the next measurement; an OOM is
 recorded as status ``"oom"`` and the run goes on. Within each sequence length the three modes run one after the other
 (the starting mode rotates from one length to the next). In each process: one warm-up step, which is also the
-first-step loss and the count of bytes saved for backward over its forward (``fastft.measure.SavedTensorBytes``,
+first-step loss and the count of bytes saved for backward over its forward (``fastft.bench.measure.SavedTensorBytes``,
 parameters left out, each storage once); then ``torch.cuda.reset_peak_memory_stats`` and ``--steps`` timed steps,
 each CUDA-synchronised: peak VRAM is ``torch.cuda.max_memory_allocated`` over those steps, the step time their
-median. The process's peak RSS is its high-water mark (``fastft.measure.peak_rss_bytes``), reset after the model
+median. The process's peak RSS is its high-water mark (``fastft.bench.measure.peak_rss_bytes``), reset after the model
 was built where the kernel allows it; ``rss_high_water_mark_reset`` says whether it was, and if not the figure may
 include the build.
 
@@ -166,9 +166,9 @@ def measure(device: str, shape: str, seq: int, mode: str, steps: int, threads: i
     import torch
 
     from fastft import FastModel
-    from fastft.environment import describe_device, package_versions
+    from fastft.bench.environment import describe_device, package_versions
+    from fastft.bench.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
     from fastft.kernels import dispatch
-    from fastft.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
 
     on_cuda = device == "cuda"
     dtype_name = DTYPES[device]
@@ -433,7 +433,7 @@ def print_table(record: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (sequence length, mode) in its own process, modes rotating within each length; the JSON record."""
-    from fastft.environment import package_versions
+    from fastft.bench.environment import package_versions
 
     on_cuda = args.device == "cuda"
     dtype_name = DTYPES[args.device]
@@ -481,8 +481,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "timed_steps": args.steps,
             "step": "forward(input_ids, labels=input_ids, use_cache=False) + loss.backward() + zero_grad",
             "peak_vram": "torch.cuda.max_memory_allocated over the timed steps, reset after the warm-up",
-            "saved_bytes": "fastft.measure.SavedTensorBytes over the warm-up forward, parameters excluded",
-            "peak_rss": "fastft.measure.peak_rss_bytes, reset after building the model where the kernel allows",
+            "saved_bytes": "fastft.bench.measure.SavedTensorBytes over the warm-up forward, parameters excluded",
+            "peak_rss": "fastft.bench.measure.peak_rss_bytes, reset after building the model where the kernel allows",
             "one_process_per_run": True,
             "timeout_s": args.timeout,
             "loss_tolerance": LOSS_TOLERANCE[dtype_name],
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if row["status"] in ("ok", "oom") else 1
 
     record = run(args)
-    from fastft.environment import device_slug
+    from fastft.bench.environment import device_slug
 
     out = args.out or RESULTS / f"memory-{device_slug(record['device'] or args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ class Pin:
 # move them together with .ci/lanes and fastft.bench.systems.VENVS.
 PINS: tuple[Pin, ...] = (
     Pin("bitsandbytes==0.50.2", FASTFT, "NF4 (fastft, the tests, every system's NF4 workloads)"),
-    Pin("trl==1.16.0", FASTFT, "fastft.trl, the SFT / DPO / GRPO tests, bench/preference.py"),
+    Pin("trl==1.16.0", FASTFT, "fastft.training.trl, the SFT / DPO / GRPO tests, bench/preference.py"),
     Pin("datasets==5.2.0", FASTFT, "trl's trainers"),
     Pin("dill==0.4.1", FASTFT, "datasets"),
     Pin("multiprocess==0.70.19", FASTFT, "datasets"),

@@ -29,9 +29,9 @@ reference being the policy with its adapters disabled. GRPO: one prompt of ``--s
 4 generations of exactly ``--completion`` new tokens (sampling, seeded; min = max new tokens), beta 0.04 (so a
 reference forward runs), a reward of each completion's length in distinct tokens. For each, one training step is
 the trainer's ``compute_loss`` on the first batch then ``backward``; recorded: the loss, bytes saved for backward
-over the loss computation (``fastft.measure.SavedTensorBytes``, each storage once, parameters left out), peak RSS
-growth over the step with the memory-mapped weights paged in beforehand (``fastft.measure``; whether the kernel let
-the peak be reset is recorded too), step time, the checkpointing mode, and which log-prob head ran
+over the loss computation (``fastft.bench.measure.SavedTensorBytes``, each storage once, parameters left out), peak RSS
+growth over the step with the memory-mapped weights paged in beforehand (``fastft.bench.measure``; whether the kernel
+let the peak be reset is recorded too), step time, the checkpointing mode, and which log-prob head ran
 (``fastft_fused_logprob_calls``). The losses of all systems must agree (1e-4 relative)
 or the script exits 1 after writing its record.
 """
@@ -159,8 +159,8 @@ def grpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, completion: 
 
 def probe(method: str, system: str, folder: str, seq: int, completion: int, out: str, device: str) -> dict[str, Any]:
     """One step of ``method`` on ``system`` in this process; what it measured."""
+    from fastft.bench.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
     from fastft.checkpoint import get_mode
-    from fastft.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
 
     torch.manual_seed(SEED)
     model, tokenizer = build(system, folder, seq, device)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", nargs=2, metavar=("METHOD", "SYSTEM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    from fastft.embedded import materialise_gguf, resolve_alias
+    from fastft.loading.embedded import materialise_gguf, resolve_alias
 
     folder, gguf_file = resolve_alias(args.model, None)
     folder = str(materialise_gguf(folder, gguf_file)) if gguf_file is not None else folder
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RECORD " + json.dumps(record))
         return 0
 
-    from fastft.environment import describe_device, device_slug, package_versions
+    from fastft.bench.environment import describe_device, device_slug, package_versions
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/preference.py: --device cuda, but torch sees no CUDA device")

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0.dev0"
-
+from fastft._version import __version__
 from fastft.contracts import ShapeContractError
 
 if TYPE_CHECKING:
+    from fastft.loading.sources import HubFetchError
     from fastft.model import FastModel
     from fastft.registry import patch_report
-    from fastft.responses import train_on_responses_only
-    from fastft.sources import HubFetchError
+    from fastft.training.responses import train_on_responses_only
 
 _LAZY = {
     "FastModel": "fastft.model",
-    "HubFetchError": "fastft.sources",
+    "HubFetchError": "fastft.loading.sources",
     "patch_report": "fastft.registry",
-    "train_on_responses_only": "fastft.responses",
+    "train_on_responses_only": "fastft.training.responses",
 }
 
 

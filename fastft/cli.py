@@ -8,12 +8,12 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from fastft import __version__
+from fastft._version import __version__
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    from fastft.data import METHODS
-    from fastft.train import TrainOptions
+    from fastft.training.data import METHODS
+    from fastft.training.train import TrainOptions
 
     defaults = {field.name: field.default for field in fields(TrainOptions) if field.name != "output"}
     parser = sub.add_parser(
@@ -69,10 +69,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from fastft.data import DataError
-    from fastft.distributed import is_main_process
-    from fastft.sources import HubFetchError
-    from fastft.train import OptionsError, TrainOptions, run
+    from fastft.loading.distributed import is_main_process
+    from fastft.loading.sources import HubFetchError
+    from fastft.training.data import DataError
+    from fastft.training.train import OptionsError, TrainOptions, run
 
     values = {field.name: getattr(args, field.name) for field in fields(TrainOptions)}
     flag = values["gradient_checkpointing"]
@@ -112,7 +112,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export_parser(sub: argparse._SubParsersAction) -> None:
-    from fastft.gguf_export import QUANTIZATIONS
+    from fastft.export.gguf_export import QUANTIZATIONS
 
     parser = sub.add_parser(
         "export",
@@ -141,8 +141,8 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
 def _export(args: argparse.Namespace) -> int:
     import json
 
-    from fastft.merged_save import check_target
-    from fastft.shards import parse_shard_size
+    from fastft.export.merged_save import check_target
+    from fastft.export.shards import parse_shard_size
 
     adapter = Path(args.adapter).expanduser()
     try:
@@ -187,7 +187,7 @@ def _export(args: argparse.Namespace) -> int:
         return 2
 
     from fastft import FastModel
-    from fastft.sources import HubFetchError
+    from fastft.loading.sources import HubFetchError
 
     logging.getLogger("fastft").info("fastft export: loading %s with the adapter %s", base, adapter)
     written = []
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--output", type=Path, default=None, help="with --compile: the JSON file to write")
     args = parser.parse_args(argv)
     # Under torchrun every process runs this; rank 0 speaks for all of them unless something goes wrong.
-    from fastft.distributed import is_main_process
+    from fastft.loading.distributed import is_main_process
 
     level = logging.INFO if is_main_process() else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -10,7 +10,7 @@ import torch
 
 import fastft.patches  # noqa: F401  (registers the built-in patches)
 from fastft.registry import STRICT_ENV, apply_patches, format_report, patch_report, records, strict_mode
-from fastft.train import device_name, versions
+from fastft.training.train import device_name, versions
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -38,7 +38,7 @@ def _with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 def _train_step(model: torch.nn.Module) -> str:
     """One forward and backward with labels, on the GPU in its training dtype if there is one; the device's name."""
-    from fastft.model import resolve_dtype
+    from fastft.loading.dtypes import resolve_dtype
 
     if torch.cuda.is_available():
         model.to(device="cuda", dtype=resolve_dtype(None))

@@ -325,9 +325,9 @@ def run_check(jobs: int | None = None, progress: bool = True) -> dict[str, Any]:
 
 
 def _fastft_version() -> dict[str, str]:
-    import fastft
+    from fastft._version import __version__
 
-    return {"fastft": fastft.__version__}
+    return {"fastft": __version__}
 
 
 def _compile_all(work: list[tuple[Launch, int]], jobs: int | None, progress: bool) -> list[dict]:

@@ -133,7 +133,7 @@ def cache_file() -> Path:
 
 def cache_versions() -> dict[str, str]:
     """The library versions a cached choice is valid for."""
-    import fastft
+    from fastft._version import __version__
 
     try:
         import triton
@@ -141,7 +141,7 @@ def cache_versions() -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    return {"torch": torch.__version__, "triton": triton_version, "fastft": fastft.__version__}
+    return {"torch": torch.__version__, "triton": triton_version, "fastft": __version__}
 
 
 def read_cache(path: Path) -> dict[str, dict]:

@@ -212,21 +212,6 @@ def release_buffers() -> None:
     _buffers.clear()
 
 
-def dense_weights(projections: Sequence[LoRAWeights], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every segment's base weight as a dense ``[out, in]`` in ``dtype``, outside autograd.
-
-    Dense weights of that dtype are used as they are; packed NF4 weights are dequantised into the shared buffer
-    (all of the group's rows side by side); dense weights of another dtype are cast (what autocast would do).
-    """
-    # lora_math builds on this module, so it is imported here rather than at the top.
-    from fastft.kernels.lora_math import dense_bases
-
-    weights = [p.weight.detach() for p in projections]
-    states = [quant_state_of(p) if is_packed(p) else None for p in projections]
-    shapes = [weight_shape(p) for p in projections]
-    return dense_bases(weights, states, shapes, dtype)
-
-
 def nf4_dequant_mode() -> str:
     """How a forced Triton forward decodes NF4 bases: ``"buffer"`` (default: once per call into the reused buffer,
     then the 16-bit kernel) or ``"kernel"`` (inside the GEMM's K loop), from ``FASTFT_NF4_DEQUANT``. Under the tuner
@@ -274,7 +259,6 @@ __all__ = [
     "autocast_dtype",
     "autocast_off",
     "check_projection",
-    "dense_weights",
     "frozen_error",
     "function_inputs",
     "is_packed",

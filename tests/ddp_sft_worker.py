@@ -22,7 +22,7 @@ from trl import SFTTrainer
 
 from fastft import FastModel
 from fastft.checkpoint import get_mode
-from fastft.trl import sft_config
+from fastft.training.trl import sft_config
 
 STEPS, LENGTH, ROWS = 3, 24, 16
 

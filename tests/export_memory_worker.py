@@ -7,8 +7,8 @@ else the test session allocated blurs the figure.
 ``exports`` builds a random Llama (6 layers, hidden 1024, SmolLM2's 49k vocabulary, untied head: 192M float32
 parameters, 767 MB; its embeddings three times a decoder layer), adds LoRA adapters with non-zero B, and measures the
 resident-set growth of each export over the resident size just before it, with the kernel's peak counter reset
-(``fastft.measure``). It then reloads the merged folder with plain transformers and compares its logits with peft's
-own merge of the same model. Everything it measured goes to ``OUT/memory.json``.
+(``fastft.bench.measure``). It then reloads the merged folder with plain transformers and compares its logits with
+peft's own merge of the same model. Everything it measured goes to ``OUT/memory.json``.
 
 ``checkpoints`` saves the same model as a folder, runs ``fastft train`` on it for three steps with a checkpoint after
 each, and measures each checkpoint save the same way (``OUT/checkpoints.json``).
@@ -26,12 +26,12 @@ from conftest import randomize_lora_b, tiny_llama_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import fastft.gguf_export  # noqa: F401  (imported before measuring: a module's first import is not the save's memory)
-import fastft.merged_save  # noqa: F401
+import fastft.export.gguf_export  # noqa: F401  (imported before measuring: a module's first import is not the save's memory)
+import fastft.export.merged_save  # noqa: F401
 from fastft import FastModel
-from fastft.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
-from fastft.merge import merge_plan
-from fastft.shards import BLOCK_ELEMENTS
+from fastft.bench.measure import peak_rss_bytes, reset_peak_rss, resident_bytes
+from fastft.export.merge import merge_plan
+from fastft.export.shards import BLOCK_ELEMENTS
 
 
 def _measure(work) -> dict:
@@ -105,7 +105,7 @@ def checkpoints(tokenizer_dir: Path, out: Path) -> None:
     """``fastft train`` on the same model, each trainer checkpoint's resident-set growth measured."""
     from transformers import Trainer
 
-    from fastft.train import TrainOptions, run
+    from fastft.training.train import TrainOptions, run
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = _config(tokenizer)

@@ -14,8 +14,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
 from fastft import FastModel, HubFetchError
+from fastft.loading.sources import position_range
 from fastft.model import DEFAULT_TARGET_MODULES
-from fastft.sources import position_range
 
 
 def _tree(folder: Path) -> dict[str, int]:
@@ -294,8 +294,8 @@ def test_target_modules_as_one_name(tiny_llama_dir):
 
 
 def test_train_data_without_known_columns_is_refused_before_the_model(tmp_path, monkeypatch):
-    from fastft.data import DataError
-    from fastft.train import TrainOptions, run
+    from fastft.training.data import DataError
+    from fastft.training.train import TrainOptions, run
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded although the data was bad")
@@ -314,7 +314,7 @@ def test_train_data_without_known_columns_is_refused_before_the_model(tmp_path, 
 
 
 def test_train_with_a_missing_model_leaves_no_output_folder(sandbox, nothing_loaded):
-    from fastft.train import TrainOptions, run
+    from fastft.training.train import TrainOptions, run
 
     output = sandbox / "out"
     with pytest.raises(FileNotFoundError, match="--model .* does not exist"):
@@ -328,14 +328,14 @@ def test_train_with_a_missing_model_leaves_no_output_folder(sandbox, nothing_loa
 @pytest.fixture
 def nothing_written(monkeypatch):
     """Fail the test if a merged shard or a GGUF tensor is written."""
-    import fastft.gguf_export
-    import fastft.merged_save
+    import fastft.export.gguf_export
+    import fastft.export.merged_save
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was written although the input was bad")
 
-    monkeypatch.setattr(fastft.merged_save, "write_shard", refuse)
-    monkeypatch.setattr(fastft.gguf_export, "_store", refuse)
+    monkeypatch.setattr(fastft.export.merged_save, "write_shard", refuse)
+    monkeypatch.setattr(fastft.export.gguf_export, "_store", refuse)
 
 
 @pytest.mark.parametrize(

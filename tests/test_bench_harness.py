@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fastft.bench import harness, report, venvs, worker
+from fastft.bench.measure import SavedTensorBytes
 from fastft.bench.systems import select_systems
 from fastft.bench.workloads import select_workloads
-from fastft.measure import SavedTensorBytes
 
 
 @pytest.fixture(scope="module")

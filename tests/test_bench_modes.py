@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from fastft.bench import gpu_time, report, worker
+from fastft.bench.measure import lora_step_flops
 from fastft.bench.systems import aliases, select_systems
 from fastft.bench.workloads import MODEL_SHAPES, write_random_model
-from fastft.measure import lora_step_flops
 
 CPU_MODES = [
     ("transformers+peft", False),

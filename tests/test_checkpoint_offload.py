@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
+from fastft.bench.measure import SavedTensorBytes
 from fastft.checkpoint import PATCH_NAME, LayerCheckpoint, engine_of
-from fastft.measure import SavedTensorBytes
 from fastft.offload import OffloadEngine
 
 LAYERS = 4
@@ -278,7 +278,7 @@ def test_sft_trainer_with_offload_ends_where_no_checkpointing_does(tiny_folder, 
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from fastft.trl import sft_config
+    from fastft.training.trl import sft_config
 
     texts = ["The quick brown fox jumps over the lazy dog. " * (1 + i % 3) for i in range(8)]
     weights = []

@@ -13,8 +13,8 @@ import torch
 from conftest import assert_same_loss_and_grads, randomize_lora_b, relative_error, save_tiny_llama
 
 from fastft import FastModel
+from fastft.bench.measure import SavedTensorBytes
 from fastft.checkpoint import LayerCheckpoint, resolve_mode
-from fastft.measure import SavedTensorBytes
 from fastft.replay import Segment, segment_length
 
 LAYERS = 9

@@ -17,8 +17,8 @@ from conftest import assert_same_loss_and_grads, randomize_lora_b, relative_erro
 from test_checkpoint_offload import _RecordedStreams
 
 from fastft import FastModel
+from fastft.bench.measure import SavedTensorBytes
 from fastft.checkpoint import LayerCheckpoint, engine_of, resolve_mode
-from fastft.measure import SavedTensorBytes
 
 LAYERS = 9
 BATCH, LENGTH = 2, 23

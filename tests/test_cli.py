@@ -200,7 +200,8 @@ def _assert_preference_run(output: Path, method: str, steps: int) -> dict:
     assert metrics["watched"]["metric"] == watched
     assert all(watched in row for row in metrics["steps"]), metrics["steps"][0]
     assert (output / "adapter_model.safetensors").exists() and (output / "adapter_config.json").exists()
-    # The adapter alone: trl's frozen "ref" copy of the fresh adapter is dropped (fastft.train._drop_reference_copy).
+    # The adapter alone: trl's frozen "ref" copy of the fresh adapter is dropped
+    # (fastft.training.train._drop_reference_copy).
     assert not (output / "ref").exists()
     assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return metrics

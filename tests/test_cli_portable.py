@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from fastft.base_names import EMBEDDED_HUB_IDS, embedded_alias, public_base_name
+from fastft.loading.base_names import EMBEDDED_HUB_IDS, embedded_alias, public_base_name
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -57,7 +57,7 @@ def test_an_embedded_model_adapter_names_the_hub_id_and_reloads_offline(tmp_path
     # weights, read offline), plain peft + transformers load the adapter by its base's hub id.
     from safetensors.torch import load_file
 
-    from fastft.embedded import materialise_gguf, resolve_alias
+    from fastft.loading.embedded import materialise_gguf, resolve_alias
 
     revision = "0" * 40
     repo = tmp_path / "hub" / f"models--{HUB_ID.replace('/', '--')}"

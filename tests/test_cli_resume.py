@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastft.file_modes import current_umask
+from fastft.export.file_modes import current_umask
 
 FASTFT = [sys.executable, "-m", "fastft.cli"]
 

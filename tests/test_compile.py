@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fastft import FastModel
-from fastft.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
+from fastft.loading.compile import compile_layers, compiled_layers, decoder_layers, uncompile_layers
 
 pytestmark = pytest.mark.lane
 

@@ -17,7 +17,7 @@ from fastft.contracts import (
     check_projections,
     guard_max_seq_length,
 )
-from fastft.distributed import DataParallelRefused
+from fastft.loading.distributed import DataParallelRefused
 
 pytestmark = pytest.mark.lane
 
@@ -91,12 +91,12 @@ def _with_narrow_q_proj(model, layer: int = 1):
 
 
 def test_mismatched_q_proj_refused_at_from_pretrained(tiny_llama_dir, monkeypatch):
-    import fastft.model as fastft_model
+    import fastft.loading.pretrained as fastft_pretrained
 
-    load = fastft_model.AutoModelForCausalLM.from_pretrained
+    load = fastft_pretrained.AutoModelForCausalLM.from_pretrained
     # A module built against another config than the one the model carries (a custom modelling file, a bad edit).
     monkeypatch.setattr(
-        fastft_model.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _with_narrow_q_proj(load(*a, **k))
+        fastft_pretrained.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _with_narrow_q_proj(load(*a, **k))
     )
     with pytest.raises(ShapeContractError, match=r"model\.layers\.1\.self_attn\.q_proj: .*\[64, 64\].*got \[48, 64\]"):
         FastModel.from_pretrained(str(tiny_llama_dir))
@@ -119,12 +119,12 @@ def test_phi3_qkv_proj_wider_than_its_config_refused_before_loading(tmp_path, sm
     config = json.loads((folder / "config.json").read_text())
     config["num_key_value_heads"] = 4  # the weights were saved with 2
     (folder / "config.json").write_text(json.dumps(config))
-    import fastft.model as fastft_model
+    import fastft.loading.pretrained as fastft_pretrained
 
     def never(*args, **kwargs):
         raise AssertionError("the weights were loaded before the contract refused them")
 
-    monkeypatch.setattr(fastft_model.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(fastft_pretrained.AutoModelForCausalLM, "from_pretrained", never)
     # (4 + 2 x 4) x 16 = 192 rows expected; the checkpoint holds (4 + 2 x 2) x 16 = 128.
     pattern = (
         r"model\.layers\.0\.self_attn\.qkv_proj .*\[192, 64\].*num_key_value_heads.*got \[128, 64\].*fix config\.json"
@@ -147,7 +147,7 @@ def test_mismatched_q_proj_refused_at_get_peft_model(tiny_llama_dir):
 
 
 def test_lora_a_and_b_of_the_wrong_shape_refused(tiny_llama_dir, monkeypatch):
-    import fastft.model as fastft_model
+    import fastft.loading.lora as fastft_lora
 
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     peft_model = FastModel.get_peft_model(model, r=8)
@@ -159,7 +159,7 @@ def test_lora_a_and_b_of_the_wrong_shape_refused(tiny_llama_dir, monkeypatch):
     ):
         check_lora(peft_model)
 
-    wrap = fastft_model._peft_get_peft_model
+    wrap = fastft_lora._peft_get_peft_model
 
     def wrap_badly(*args, **kwargs):
         wrapped = wrap(*args, **kwargs)
@@ -167,7 +167,7 @@ def test_lora_a_and_b_of_the_wrong_shape_refused(tiny_llama_dir, monkeypatch):
         wrapped.base_model.model.model.layers[1].self_attn.k_proj.lora_B["default"] = torch.nn.Linear(8, 64)
         return wrapped
 
-    monkeypatch.setattr(fastft_model, "_peft_get_peft_model", wrap_badly)
+    monkeypatch.setattr(fastft_lora, "_peft_get_peft_model", wrap_badly)
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     with pytest.raises(
         ShapeContractError,
@@ -209,7 +209,8 @@ def test_data_parallel_replication_of_4bit_refused(tiny_llama_dir):
     # torch.nn.parallel.replicate (nn.DataParallel's forward on several GPUs) needs CUDA for the parameter broadcast
     # it does first; it then calls _replicate_for_data_parallel() on every module of network.modules(), in order.
     # That second step is the one fastft overrides, so calling it the same way runs the code DataParallel would.
-    # The transformers model refuses first, for any fastft model (fastft.distributed, tests/test_distributed.py)...
+    # The transformers model refuses first, for any fastft model (fastft.loading.distributed,
+    # tests/test_distributed.py)...
     with pytest.raises(DataParallelRefused, match=r"LlamaForCausalLM onto .*torchrun"):
         for module in model.modules():
             module._replicate_for_data_parallel()

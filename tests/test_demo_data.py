@@ -235,7 +235,7 @@ def test_preferences_chosen_is_right_and_rejected_is_wrong_or_unhelpful(preferen
 
 
 def test_preferences_score_as_grpo_rewards(preferences: list[dict]) -> None:
-    from fastft.trl import answer_reward
+    from fastft.training.trl import answer_reward
 
     answers = [row["answer"] for row in preferences]
     for key, want in (("chosen", 1.0), ("rejected", 0.0), ("prompt", 0.0)):

@@ -163,7 +163,7 @@ def _dataset(tokenizer, rows: int = 8):
 
 
 def _config(tmp_path, gpus: int):
-    from fastft.trl import sft_config
+    from fastft.training.trl import sft_config
 
     config = sft_config(str(tmp_path), torch.float32, 64, max_steps=1, per_device_train_batch_size=2)
     # What TrainingArguments records when one process sees `gpus` CUDA devices.
@@ -175,7 +175,7 @@ def _config(tmp_path, gpus: int):
 def test_trainer_falls_back_to_data_parallel_and_fastft_refuses_the_copy(lora_model, tmp_path, monkeypatch):
     from transformers import DataCollatorForLanguageModeling, Trainer
 
-    from fastft.distributed import DataParallelRefused
+    from fastft.loading.distributed import DataParallelRefused
 
     model, tokenizer = lora_model
     # transformers' Trainer (and trl's SFTTrainer before 1.16, which since refuses n_gpu > 1 itself) takes this path.
@@ -208,7 +208,7 @@ def test_trainer_falls_back_to_data_parallel_and_fastft_refuses_the_copy(lora_mo
 def test_one_gpu_per_process_keeps_trainer_off_data_parallel(lora_model, tmp_path, caplog):
     from trl import SFTTrainer
 
-    from fastft.distributed import one_gpu_per_process
+    from fastft.loading.distributed import one_gpu_per_process
 
     model, tokenizer = lora_model
     config = _config(tmp_path, 2)
@@ -226,7 +226,7 @@ def test_one_gpu_per_process_keeps_trainer_off_data_parallel(lora_model, tmp_pat
 
 
 def test_one_gpu_per_process_leaves_a_single_gpu_alone(tmp_path, caplog):
-    from fastft.distributed import one_gpu_per_process
+    from fastft.loading.distributed import one_gpu_per_process
 
     config = _config(tmp_path, 1)
     with caplog.at_level(logging.WARNING, logger="fastft.distributed"):
@@ -235,7 +235,7 @@ def test_one_gpu_per_process_leaves_a_single_gpu_alone(tmp_path, caplog):
 
 
 def test_data_parallel_guard_survives_copies_and_is_added_once(lora_model):
-    from fastft.distributed import DataParallelRefused, guard_data_parallel
+    from fastft.loading.distributed import DataParallelRefused, guard_data_parallel
 
     model, _ = lora_model
     base = model.get_base_model()
@@ -252,7 +252,7 @@ def test_data_parallel_guard_survives_copies_and_is_added_once(lora_model):
 
 
 def test_launch_reads_torchrun_variables(monkeypatch):
-    from fastft.distributed import Launch, launch
+    from fastft.loading.distributed import Launch, launch
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -283,7 +283,7 @@ def two_gpus(monkeypatch):
 
 
 def test_device_map_is_the_local_rank_gpu_under_torchrun(two_gpus, monkeypatch):
-    from fastft.distributed import device_map
+    from fastft.loading.distributed import device_map
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")

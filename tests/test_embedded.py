@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastft import FastModel
-from fastft.embedded import materialise_gguf, resolve_alias
+from fastft.loading.embedded import materialise_gguf, resolve_alias
 
 
 def test_missing_package_names_the_install_command(monkeypatch):

@@ -1,10 +1,10 @@
-"""fastft.environment: the device in words and as a file-name part."""
+"""fastft.bench.environment: the device in words and as a file-name part."""
 
 from __future__ import annotations
 
 import torch
 
-from fastft.environment import describe_device, device_slug
+from fastft.bench.environment import describe_device, device_slug
 
 
 def test_device_slug_names_results_files():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import lora_model
 
-import fastft.merged_save
+import fastft.export.merged_save
 from fastft import FastModel
 
 TESTS = Path(__file__).parent
@@ -132,7 +132,7 @@ class _Interrupted(BaseException):
 
 def _fail_after_first_shard(monkeypatch, error: BaseException) -> list[Path]:
     written: list[Path] = []
-    real = fastft.merged_save.write_shard
+    real = fastft.export.merged_save.write_shard
 
     def write_then_fail(path, *args, **kwargs):
         if written:
@@ -141,7 +141,7 @@ def _fail_after_first_shard(monkeypatch, error: BaseException) -> list[Path]:
         written.append(path)
         return result
 
-    monkeypatch.setattr(fastft.merged_save, "write_shard", write_then_fail)
+    monkeypatch.setattr(fastft.export.merged_save, "write_shard", write_then_fail)
     return written
 
 
@@ -183,7 +183,7 @@ def test_a_non_empty_folder_needs_overwrite(tiny_llama_dir, tmp_path):
 
 @pytest.mark.lane
 def test_a_4bit_base_merges_block_by_block_like_the_whole_merge(tiny_llama_dir, tmp_path):
-    from fastft.merge import merge_plan, merged_state_dict
+    from fastft.export.merge import merge_plan, merged_state_dict
 
     model, _ = lora_model(tiny_llama_dir, load_in_4bit=True, use_gradient_checkpointing=False)
     whole = merged_state_dict(model, torch.float32)

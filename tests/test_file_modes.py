@@ -12,7 +12,7 @@ import pytest
 from conftest import lora_model
 
 from fastft import FastModel
-from fastft.file_modes import as_if_created, current_umask
+from fastft.export.file_modes import as_if_created, current_umask
 
 
 @pytest.fixture

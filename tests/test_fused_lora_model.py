@@ -239,7 +239,7 @@ def test_under_sft_trainer_one_known_head_computes_the_loss_without_full_logits(
     from trl import SFTTrainer
     from trl import __version__ as trl_version
 
-    from fastft.trl import sft_config
+    from fastft.training.trl import sft_config
 
     folder = _folder(tmp_path / "model", word_tokenizer)
     model = _lora(folder)

@@ -290,7 +290,7 @@ def test_llama3_pre_tokenizer_round_trip(tiny_dirs, tmp_path):
     # "llama-bpe", which transformers' loader turns back into the same pre-tokenizer.
     from tokenizers import Regex, pre_tokenizers
 
-    from fastft.gguf_export import _LLAMA3_SPLIT
+    from fastft.export.gguf_export import _LLAMA3_SPLIT
 
     split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
     tokenizer = _small_tokenizer(
@@ -339,7 +339,7 @@ def test_rope_scaling(tmp_path, rope_type):
 
 
 def test_pre_tokenizer_names(caplog):
-    from fastft.gguf_export import _pre_tokenizer_name
+    from fastft.export.gguf_export import _pre_tokenizer_name
 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     digits = {"type": "Digits", "individual_digits": True}
@@ -355,7 +355,7 @@ def test_refusals_and_atomic_write(tiny_dirs, tmp_path, monkeypatch):
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    import fastft.gguf_export as gguf_export
+    import fastft.export.gguf_export as gguf_export
 
     model, tokenizer = FastModel.from_pretrained(str(tiny_dirs["tied"]), max_seq_length=64)
     with pytest.raises(ValueError, match=r"quantization='q4_k' is not one of"):

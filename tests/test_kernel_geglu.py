@@ -1,6 +1,6 @@
-"""GeGLU kernel (Gemma's ``gelu_pytorch_tanh(gate) * up``): output and both gradients against float64, in-place
-backward and its loud failures, and the fused LoRA-MLP with ``activation="gelu_tanh"`` against an unfused float64
-expression."""
+"""GeGLU (Gemma's ``gelu_pytorch_tanh(gate) * up``): extreme gates, Gemma 3's MLP, and the fused LoRA-MLP with
+``activation="gelu_tanh"`` against an unfused float64 expression. What GeGLU shares with SwiGLU (output and gradients
+against float64, the in-place backward) is in ``tests/test_kernel_gates.py``."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from test_kernel_gates import GATES, float64_gate, intermediates
 
-from fastft.kernels.errors import ShapeContractError
-from fastft.kernels.geglu import GeGLUFunction, geglu, geglu_backward_, geglu_forward, geglu_reference
+from fastft.kernels.geglu import geglu, geglu_reference
 from fastft.kernels.lora_mlp import LoRAMLPFunction, lora_mlp
 from fastft.kernels.lora_projection import LoRAWeights, function_inputs
 
-SHAPES = [(1, 1, 123), (2, 67, 128), (67, 1000), (3, 5, 4096 // 4)]
-INPLACE_ERROR = "modified by an inplace operation"
 # gate values spread over GELU's curved region (about [-4, 4]) and its flat tails.
 GATE_SCALE = 2.0
 
@@ -28,46 +26,7 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 
 def float64_geglu(gate, up, dh):
-    """Output and (d_gate, d_up) by float64 autograd from the same, already rounded, inputs."""
-    g = gate.detach().double().requires_grad_()
-    u = up.detach().double().requires_grad_()
-    h = gelu_tanh(g) * u
-    h.backward(dh.double())
-    return h.detach(), g.grad, u.grad
-
-
-def intermediates(gate0, up0):
-    """Leaves, and non-leaf copies of them: what gate_proj / up_proj hand the MLP, the case written in place."""
-    gate_leaf = gate0.clone().requires_grad_()
-    up_leaf = up0.clone().requires_grad_()
-    return gate_leaf, up_leaf, gate_leaf.clone(), up_leaf.clone()
-
-
-def inputs(shape, dtype, gen):
-    return random_tensor(shape, dtype, gen, scale=GATE_SCALE), random_tensor(shape, dtype, gen)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_output_and_gradients_match_float64(kernel_path, gen, shape, dtype):
-    gate0, up0 = inputs(shape, dtype, gen)
-    dh = random_tensor(shape, dtype, gen)
-    gate_leaf, up_leaf, gate, up = intermediates(gate0, up0)
-    gate_version, up_version = gate._version, up._version
-
-    h = geglu(gate, up)
-    h.backward(dh)
-
-    h64, dgate64, dup64 = float64_geglu(gate0, up0, dh)
-    assert h.dtype == dtype and h.shape == torch.Size(shape)
-    assert type(h.grad_fn).__name__ == "GeGLUFunctionBackward"
-    assert relative_error(h, h64) < TOLERANCE[dtype]
-    assert relative_error(gate_leaf.grad, dgate64) < TOLERANCE[dtype]
-    assert relative_error(up_leaf.grad, dup64) < TOLERANCE[dtype]
-    # The intermediates' buffers now hold their gradients, and autograd knows they were written.
-    assert torch.equal(gate.detach(), gate_leaf.grad)
-    assert torch.equal(up.detach(), up_leaf.grad)
-    assert gate._version > gate_version and up._version > up_version
+    return float64_gate(GATES["geglu"], gate, up, dh)
 
 
 def test_extreme_gates_stay_finite(kernel_path, gen):
@@ -87,24 +46,6 @@ def test_extreme_gates_stay_finite(kernel_path, gen):
         assert torch.allclose(actual.double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_reference_equals_transformers_gelu_pytorch_tanh_fp32(kernel_path, gen):
-    from transformers.activations import ACT2FN
-
-    gate = random_tensor((2, 67, 128), torch.float32, gen, scale=3.0)
-    up = random_tensor((2, 67, 128), torch.float32, gen)
-    expected = ACT2FN["gelu_pytorch_tanh"](gate) * up
-
-    # The reference is bitwise transformers' expression in fp32; the kernel computes 0.5 (1 + tanh z) as
-    # sigmoid(2 z) (measured about 4e-8 relative under the interpreter), so it is held to 1e-7 there; a GPU's
-    # approximate exp is given 1e-6 (not measured in this CPU-only CI).
-    assert torch.equal(geglu_reference(gate, up), expected)
-    out = geglu(gate, up)
-    if kernel_path == "reference":
-        assert torch.equal(out, expected)
-    else:
-        assert relative_error(out, expected) < (1e-7 if KERNEL_DEVICE == "cpu" else 1e-6)
-
-
 def test_reference_equals_transformers_gemma3_mlp_fp32(gen):
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
@@ -117,172 +58,6 @@ def test_reference_equals_transformers_gemma3_mlp_fp32(gen):
         expected = mlp(x)
         ours = mlp.down_proj(geglu_reference(mlp.gate_proj(x), mlp.up_proj(x)))
     assert torch.equal(ours, expected)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-def test_reference_is_differentiable_by_autograd(gen, dtype):
-    shape = (3, 37)
-    gate0, up0 = inputs(shape, dtype, gen)
-    dh = random_tensor(shape, dtype, gen)
-    gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
-    h = geglu_reference(gate, up)
-    h.backward(dh)
-    h64, dgate64, dup64 = float64_geglu(gate0, up0, dh)
-    assert h.dtype == dtype
-    assert relative_error(h, h64) < TOLERANCE[dtype]
-    assert relative_error(gate.grad, dgate64) < TOLERANCE[dtype]
-    assert relative_error(up.grad, dup64) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-def test_forward_and_backward_helpers_on_owned_buffers(kernel_path, gen, dtype):
-    shape = (7, 300)
-    gate0, up0 = inputs(shape, dtype, gen)
-    dh = random_tensor(shape, dtype, gen)
-    gate, up = gate0.clone(), up0.clone()
-
-    h = geglu_forward(gate, up)
-    assert torch.equal(gate, gate0) and torch.equal(up, up0)  # forward never writes its inputs
-    dgate, dup = geglu_backward_(dh, gate, up)
-
-    h64, dgate64, dup64 = float64_geglu(gate0, up0, dh)
-    assert dgate.data_ptr() == gate.data_ptr() and dup.data_ptr() == up.data_ptr()
-    assert relative_error(h, h64) < TOLERANCE[dtype]
-    assert relative_error(dgate, dgate64) < TOLERANCE[dtype]
-    assert relative_error(dup, dup64) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("other_first", [True, False], ids=["other-op-created-first", "other-op-created-after"])
-def test_another_node_saving_gate_never_reads_gradients(kernel_path, gen, other_first):
-    shape = (5, 33)
-    gate0, up0 = inputs(shape, torch.float32, gen)
-    dh = random_tensor(shape, torch.float32, gen)
-    gate_leaf, up_leaf, gate, up = intermediates(gate0, up0)
-    # gate * gate saves gate for its own backward. A node created before geglu runs its backward after geglu has
-    # written d_gate over gate: that must raise, not read it.
-    if other_first:
-        other = gate * gate
-        h = geglu(gate, up)
-    else:
-        h = geglu(gate, up)
-        other = gate * gate
-    loss = (h * dh).sum() + other.sum()
-    if other_first:
-        with pytest.raises(RuntimeError, match=INPLACE_ERROR):
-            loss.backward()
-        return
-    loss.backward()
-    g64, u64 = gate0.double().requires_grad_(), up0.double().requires_grad_()
-    ((gelu_tanh(g64) * u64 * dh.double()).sum() + (g64 * g64).sum()).backward()
-    assert relative_error(gate_leaf.grad, g64.grad) < TOLERANCE[torch.float32]
-    assert relative_error(up_leaf.grad, u64.grad) < TOLERANCE[torch.float32]
-
-
-def test_second_backward_through_retained_graph_fails_loudly(kernel_path, gen):
-    shape = (4, 50)
-    gate0, up0 = inputs(shape, torch.float32, gen)
-    dh = random_tensor(shape, torch.float32, gen)
-    _, _, gate, up = intermediates(gate0, up0)
-    h = geglu(gate, up)
-    h.backward(dh, retain_graph=True)
-    with pytest.raises(RuntimeError, match=INPLACE_ERROR):
-        h.backward(dh)
-
-
-def test_non_contiguous_inputs_are_copied_not_overwritten(kernel_path, gen):
-    base_gate = random_tensor((2, 37, 64), torch.float32, gen, scale=GATE_SCALE)
-    base_up = random_tensor((2, 64, 37), torch.float32, gen)
-    dh = random_tensor((2, 37, 32), torch.float32, gen)
-    gate_leaf, up_leaf, gate_base, up_base = intermediates(base_gate, base_up)
-    gate = gate_base[..., ::2]  # strided
-    up = up_base.transpose(1, 2)[..., 5:37]  # transposed and offset
-    gate_before, up_before = gate.detach().clone(), up.detach().clone()
-
-    h = geglu(gate, up)
-    h.backward(dh)
-
-    h64, dgate64, dup64 = float64_geglu(gate_before, up_before, dh)
-    assert relative_error(h, h64) < TOLERANCE[torch.float32]
-    assert relative_error(gate_leaf.grad[..., ::2], dgate64) < TOLERANCE[torch.float32]
-    assert relative_error(up_leaf.grad.transpose(1, 2)[..., 5:37], dup64) < TOLERANCE[torch.float32]
-    # The private copies took the gradients; the caller's views still hold the activations.
-    assert torch.equal(gate.detach(), gate_before) and torch.equal(up.detach(), up_before)
-
-
-def test_leaf_inputs_keep_their_values(kernel_path, gen):
-    shape = (6, 45)
-    gate0, up0 = inputs(shape, torch.float32, gen)
-    dh = random_tensor(shape, torch.float32, gen)
-    gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
-    geglu(gate, up).backward(dh)
-
-    _, dgate64, dup64 = float64_geglu(gate0, up0, dh)
-    # Overwriting a leaf would replace a parameter's values with its gradient.
-    assert torch.equal(gate.detach(), gate0) and torch.equal(up.detach(), up0)
-    assert relative_error(gate.grad, dgate64) < TOLERANCE[torch.float32]
-    assert relative_error(up.grad, dup64) < TOLERANCE[torch.float32]
-
-
-@pytest.mark.parametrize("frozen", ["gate", "up"])
-def test_input_without_gradient_is_not_written(kernel_path, gen, frozen):
-    shape = (3, 71)
-    gate0, up0 = inputs(shape, torch.float32, gen)
-    dh = random_tensor(shape, torch.float32, gen)
-    gate_leaf, up_leaf, gate, up = intermediates(gate0, up0)
-    if frozen == "gate":
-        gate = gate.detach()
-    else:
-        up = up.detach()
-    geglu(gate, up).backward(dh)
-
-    _, dgate64, dup64 = float64_geglu(gate0, up0, dh)
-    if frozen == "gate":
-        assert torch.equal(gate, gate0) and gate_leaf.grad is None
-        assert relative_error(up_leaf.grad, dup64) < TOLERANCE[torch.float32]
-    else:
-        assert torch.equal(up, up0) and up_leaf.grad is None
-        assert relative_error(gate_leaf.grad, dgate64) < TOLERANCE[torch.float32]
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-def test_same_tensor_as_gate_and_up(kernel_path, gen, dtype):
-    shape = (9, 31)
-    t0, dh = random_tensor(shape, dtype, gen, scale=GATE_SCALE), random_tensor(shape, dtype, gen)
-    leaf = t0.clone().requires_grad_()
-    t = leaf.clone()
-    # gate and up share memory, so neither can take a gradient in place without racing the other's reads.
-    h = geglu(t, t)
-    h.backward(dh)
-
-    t64 = t0.double().requires_grad_()
-    h64 = gelu_tanh(t64) * t64
-    h64.backward(dh.double())
-    assert relative_error(h, h64) < TOLERANCE[dtype]
-    assert relative_error(leaf.grad, t64.grad) < TOLERANCE[dtype]
-    assert torch.equal(t.detach(), t0)
-
-
-def test_empty_input(kernel_path):
-    gate = torch.zeros((0, 16), device=KERNEL_DEVICE).requires_grad_()
-    up = torch.zeros((0, 16), device=KERNEL_DEVICE).requires_grad_()
-    h = geglu(gate.clone(), up.clone())
-    h.sum().backward()
-    assert h.shape == (0, 16) and gate.grad.shape == (0, 16) and up.grad.shape == (0, 16)
-
-
-@pytest.mark.parametrize("function", [geglu, geglu_reference, GeGLUFunction.apply], ids=["geglu", "ref", "fn"])
-def test_mismatched_shapes_name_both(kernel_path, gen, function):
-    gate = random_tensor((2, 3, 40), torch.float32, gen)
-    up = random_tensor((2, 3, 41), torch.float32, gen)
-    with pytest.raises(ShapeContractError, match=r"gate \[2, 3, 40\] and up \[2, 3, 41\].*gate_proj\(x\) and up_proj"):
-        function(gate, up)
-
-
-def test_mismatched_dtypes_are_refused(kernel_path, gen):
-    gate = random_tensor((4, 8), torch.float32, gen)
-    up = random_tensor((4, 8), torch.float16, gen)
-    with pytest.raises(TypeError, match=r"geglu: .*gate torch.float32 and up torch.float16"):
-        geglu(gate, up)
 
 
 # The fused LoRA-MLP with the GeGLU gate -----------------------------------------------------------------------------

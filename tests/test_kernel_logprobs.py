@@ -9,6 +9,7 @@ import torch
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
 
 import fastft.kernels as kernels
+from fastft.bench.measure import SavedTensorBytes
 from fastft.kernels import dispatch
 from fastft.kernels import linear_logprobs as module
 from fastft.kernels.errors import ShapeContractError
@@ -19,7 +20,6 @@ from fastft.kernels.linear_logprobs import (
     fused_linear_logprobs,
     linear_logprobs_reference,
 )
-from fastft.measure import SavedTensorBytes
 
 IGNORE = -100
 ALL = OPTIONAL_OUTPUTS
@@ -364,7 +364,7 @@ def test_reference_function_is_the_torch_path(gen, monkeypatch):
     """linear_logprobs_reference runs the torch twins forward and backward, whatever the dispatch would pick, and
     FASTFT_DISABLE_TRITON=1 sends fused_linear_logprobs there too (bit for bit the same)."""
     calls = []
-    for name in ("_fold_torch", "_grad_torch", "_fold_triton", "_grad_triton"):
+    for name in ("fold_torch", "grad_torch", "fold_triton", "grad_triton"):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     hidden, weight, bias, targets = make_inputs((9,), 300, 16, torch.float32, gen, bias=True)
@@ -377,16 +377,16 @@ def test_reference_function_is_the_torch_path(gen, monkeypatch):
         return [*out, hidden.grad, weight.grad, bias.grad]
 
     reference = both(linear_logprobs_reference)
-    assert set(calls) == {"_fold_torch", "_grad_torch"}
+    assert set(calls) == {"fold_torch", "grad_torch"}
     calls.clear()
     monkeypatch.setenv("FASTFT_DISABLE_TRITON", "1")
     disabled = both(fused_linear_logprobs)
-    assert set(calls) == {"_fold_torch", "_grad_torch"}
+    assert set(calls) == {"fold_torch", "grad_torch"}
     assert all(torch.equal(a, b) for a, b in zip(reference, disabled, strict=True))
     monkeypatch.delenv("FASTFT_DISABLE_TRITON")
     calls.clear()
     both(fused_linear_logprobs)
-    expected = {"_fold_triton", "_grad_triton"} if dispatch.use_triton(hidden) else {"_fold_torch", "_grad_torch"}
+    expected = {"fold_triton", "grad_triton"} if dispatch.use_triton(hidden) else {"fold_torch", "grad_torch"}
     assert set(calls) == expected
 
 

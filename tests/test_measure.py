@@ -1,4 +1,4 @@
-"""fastft.measure: saved-for-backward bytes, FLOP counts, matmul rate and peak RSS."""
+"""fastft.bench.measure: saved-for-backward bytes, FLOP counts, matmul rate and peak RSS."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastft.measure import (
+from fastft.bench.measure import (
     SavedTensorBytes,
     attention_flops,
     count_flops,

@@ -209,7 +209,7 @@ def test_dense_weight_of_nf4_with_in_features_off_the_blocksize():
     import bitsandbytes as bnb
 
     from fastft import ShapeContractError
-    from fastft.merge import dense_weight
+    from fastft.export.merge import dense_weight
 
     weight = torch.randn(32, 96, generator=torch.Generator().manual_seed(3))
     packed = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64)

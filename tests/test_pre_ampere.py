@@ -15,9 +15,9 @@ from conftest import tiny_llama_config
 from safetensors import safe_open
 
 from fastft import FastModel
-from fastft import model as fastft_model
+from fastft.loading import dtypes, pretrained
 from fastft.model import keep_trainable_fp32, resolve_dtype
-from fastft.trl import sft_config
+from fastft.training.trl import sft_config
 
 CARDS = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100-SXM4-40GB"}
 
@@ -118,13 +118,13 @@ def test_from_pretrained_loads_and_quantises_in_fp16_below_capability_8(gpu, tin
     def capture(source, **kwargs):
         raise _Loaded(kwargs)
 
-    monkeypatch.setattr(fastft_model.AutoModelForCausalLM, "from_pretrained", capture)
+    monkeypatch.setattr(pretrained.AutoModelForCausalLM, "from_pretrained", capture)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(_Loaded) as loaded:
             FastModel.from_pretrained(str(tiny_llama_dir), dtype="bf16", load_in_4bit=True)
     kwargs = loaded.value.args[0]
-    assert kwargs[fastft_model._DTYPE_KWARG] == torch.float16
+    assert kwargs[dtypes._DTYPE_KWARG] == torch.float16
     assert kwargs["quantization_config"].bnb_4bit_compute_dtype == torch.float16
     assert len([w for w in caught if "bf16 tensor cores" in str(w.message)]) == 1, "one warning per call"
 
@@ -183,7 +183,7 @@ def test_a_bf16_base_is_left_as_it_is(smol_tokenizer):
 def test_fastft_train_keeps_adapters_fp32_on_a_4bit_fp16_base(tiny_llama_dir, tmp_path):
     # trl's SFTTrainer casts the trained weights of a 4-bit model to bf16 when it is built; `fastft train` must undo
     # that for an fp16 run, or its gradient scaler would get bf16 adapters (fp16 ones on other versions).
-    from fastft.train import TrainOptions, run
+    from fastft.training.train import TrainOptions, run
 
     output = tmp_path / "run"
     metrics = run(

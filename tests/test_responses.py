@@ -10,14 +10,14 @@ from datasets import Dataset
 from trl import SFTTrainer
 
 from fastft import FastModel
-from fastft.responses import (
+from fastft.training.responses import (
     IGNORE_INDEX,
     detect_chat_markers,
     detect_markers,
     response_texts,
     train_on_responses_only,
 )
-from fastft.trl import loss_history, sft_config
+from fastft.training.trl import loss_history, sft_config
 
 SYSTEM = "You answer questions about the corner bakery."
 CONVERSATION = [

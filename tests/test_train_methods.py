@@ -10,7 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from fastft.data import (
+from fastft.demo import demo_path, preferences_path
+from fastft.training.data import (
     DataError,
     check_columns,
     contains_answer,
@@ -20,9 +21,8 @@ from fastft.data import (
     to_kto_rows,
     unpair_preferences,
 )
-from fastft.demo import demo_path, preferences_path
-from fastft.train import OptionsError, TrainOptions, _config, _watched
-from fastft.trl import answer_reward, dpo_config, grpo_config, kto_config, sft_config
+from fastft.training.train import OptionsError, TrainOptions, _config, _watched
+from fastft.training.trl import answer_reward, dpo_config, grpo_config, kto_config, sft_config
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

@@ -11,9 +11,9 @@ from datasets import Dataset
 from trl import SFTTrainer
 
 from fastft import FastModel
-from fastft.data import to_sft_rows
 from fastft.demo import demo_path
-from fastft.trl import loss_history, sft_config
+from fastft.training.data import to_sft_rows
+from fastft.training.trl import loss_history, sft_config
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -127,7 +127,7 @@ def _run_worker(
 def prepare_model(workload: Workload, options: Options) -> str:
     """The folder ``workload`` loads: the embedded model converted to safetensors, or a random-weight model."""
     if workload.model not in MODEL_SHAPES:
-        from fastft.embedded import materialise_gguf, resolve_alias
+        from fastft.loading.embedded import materialise_gguf, resolve_alias
 
         folder, gguf_file = resolve_alias(workload.model, None)
         return str(materialise_gguf(folder, gguf_file)) if gguf_file is not None else folder
@@ -273,7 +273,7 @@ def run(options: Options) -> dict[str, Any]:
     """
     import torch
 
-    from fastft.environment import describe_device, device_slug, package_versions
+    from fastft.bench.environment import describe_device, device_slug, package_versions
 
     if options.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("fastft bench --device cuda: torch sees no CUDA device here; run with --device cpu")

@@ -65,10 +65,10 @@ def floor_flops(
     by_system: dict[str, dict[str, Any]], workload: dict[str, Any], rank: int = RANK
 ) -> tuple[float | None, str]:
     """The FLOPs of the matmul floor for one workload, and where they come from: the baseline step counted by
-    ``FlopCounterMode``; else the analytic count from the model's config (``fastft.measure.lora_step_flops``, the
+    ``FlopCounterMode``; else the analytic count from the model's config (``fastft.bench.measure.lora_step_flops``, the
     same for every system), as a worker computed it or, for the random-weight shapes, from ``MODEL_SHAPES`` (so
     records from before workers computed it get a floor too); else none, with the reasons."""
-    from fastft.measure import lora_step_flops
+    from fastft.bench.measure import lora_step_flops
 
     base = by_system.get(BASELINE, {})
     if base.get("flops"):

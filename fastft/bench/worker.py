@@ -1,8 +1,8 @@
 """One measurement of ``fastft bench``, in a process of its own: build one system, run its steps, print one JSON line.
 
 The harness starts this file with the Python of the system's environment (a competitor's venv has no fastft), so it
-imports nothing of fastft at module level: ``fastft/measure.py``, ``fastft/environment.py`` and this folder's
-``longest.py`` and ``gpu_time.py`` are loaded by path, and ``fastft`` itself only for the fastft systems.
+imports nothing of fastft at module level: this folder's ``measure.py``, ``environment.py``, ``longest.py`` and
+``gpu_time.py`` are loaded by path, and ``fastft`` itself only for the fastft systems.
 
     python worker.py --spec '{"system": "fastft", "family": "fastft", "mode": "offload", "folder": ..., ...}'
     python worker.py --spec '{..., "longest": {"start": 8192, "limit": 262144, "granularity": 1024, "budget_s": 60}}'
@@ -53,10 +53,9 @@ PACKAGES = (
 
 
 def _load(name: str) -> Any:
-    """A fastft module loaded from its file: ``"measure"`` is ``fastft/measure.py``, ``"bench/longest"`` this
-    folder's ``longest.py``."""
-    module_name = "_fastft_bench_" + name.replace("/", "_")
-    spec = importlib.util.spec_from_file_location(module_name, _HERE.parent / f"{name}.py")
+    """A module of this folder loaded from its file: ``"measure"`` is ``measure.py``."""
+    module_name = "_fastft_bench_" + name
+    spec = importlib.util.spec_from_file_location(module_name, _HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -257,7 +256,7 @@ def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_
     extras: dict[str, Any] = {}
     if spec["device"] == "cuda":
         try:
-            extras.update(_load("bench/gpu_time").profile_step(step, step_s))
+            extras.update(_load("gpu_time").profile_step(step, step_s))
         except Exception as error:  # noqa: BLE001  (kept in the record; the measured row stands)
             extras["profile_error"] = _failure(error)
         finally:
@@ -282,7 +281,7 @@ def measure_longest(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the system once, then search the longest batch-1 sequence it trains at (``fastft/bench/longest.py``)
     until ``spec["longest"]["budget_s"]`` seconds after this process started; each probe is printed as it is made.
     """
-    longest, settings = _load("bench/longest"), spec["longest"]
+    longest, settings = _load("longest"), spec["longest"]
     started = time.perf_counter()
     model = build(spec)
     import torch
@@ -333,7 +332,7 @@ def measure_longest(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _oom(error: BaseException) -> bool:
-    return _load("bench/longest").is_out_of_memory(error)
+    return _load("longest").is_out_of_memory(error)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -392,9 +392,9 @@ def _message(role: str, content: str) -> list[dict[str, str]]:
 def build_preference_rows(seed: int = PREFERENCES_SEED) -> list[dict]:
     """Build the demo preference split deterministically.
 
-    Every row satisfies what :func:`fastft.trl.answer_reward` and the tests check: ``answer`` is stated in
-    ``chosen``, and in neither ``rejected`` nor the prompt (:func:`fastft.data.contains_answer`); a candidate that
-    would break this is drawn again.
+    Every row satisfies what :func:`fastft.training.trl.answer_reward` and the tests check: ``answer`` is stated in
+    ``chosen``, and in neither ``rejected`` nor the prompt (:func:`fastft.training.data.contains_answer`); a candidate
+    that would break this is drawn again.
 
     Args:
         seed: Seed for the private random generator; the default reproduces the shipped file.
@@ -406,7 +406,7 @@ def build_preference_rows(seed: int = PREFERENCES_SEED) -> list[dict]:
     Raises:
         RuntimeError: If a family cannot produce its quota of unique, valid rows.
     """
-    from fastft.data import contains_answer
+    from fastft.training.data import contains_answer
 
     def draw(make: Callable[[random.Random], tuple[str, str, str, str]], rng: random.Random) -> tuple[str, dict] | None:
         question, answer, chosen, rejected = make(rng)

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastft.data import ANSWER_COLUMNS, DataError
-from fastft.sources import TOKENIZER_FILES, has_tokenizer, looks_like_path, position_range
+from fastft.loading.sources import TOKENIZER_FILES, has_tokenizer, looks_like_path, position_range
+from fastft.training.data import ANSWER_COLUMNS, DataError
 
 
 class OptionsError(ValueError):
@@ -49,7 +49,7 @@ def check_numbers(options: Any) -> None:
     """Refuse numbers out of range, naming the flag.
 
     Args:
-        options: A :class:`fastft.train.TrainOptions`.
+        options: A :class:`fastft.training.train.TrainOptions`.
 
     Raises:
         OptionsError: The first flag out of range, its value and one that works.
@@ -181,7 +181,7 @@ def check_json_lines(path: Path, flag: str = "--data") -> list[int]:
 
 def row_fields(columns: set[str], method: str) -> list[str]:
     """The columns every row must fill for ``method``, in the format the trainer will read (that of
-    :func:`fastft.data.to_sft_rows` and its siblings)."""
+    :func:`fastft.training.data.to_sft_rows` and its siblings)."""
     if method == "sft":
         if "messages" in columns:
             return ["messages"]
@@ -201,7 +201,7 @@ def check_rows(dataset: Any, method: str, source: str | Path, lines: list[int] |
     """Refuse a row that leaves out a field the other rows have and the trainer reads.
 
     Args:
-        dataset: The rows (their columns already checked by :func:`fastft.data.check_columns`).
+        dataset: The rows (their columns already checked by :func:`fastft.training.data.check_columns`).
         method: The training method.
         source: The file, for the message.
         lines: Each row's line number in a JSON lines file, when known.

@@ -16,19 +16,28 @@ from typing import Any
 
 import torch
 
-from fastft.base_names import public_base_name
-from fastft.cli_checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
-from fastft.compile import compile_seconds
-from fastft.data import METHODS, load_rows, prepare_rows
-from fastft.distributed import launch
-from fastft.environment import package_versions
-from fastft.file_modes import as_if_created
+from fastft.bench.environment import package_versions
+from fastft.export.file_modes import as_if_created
+from fastft.loading.base_names import public_base_name
+from fastft.loading.compile import compile_seconds
+from fastft.loading.distributed import launch
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
-from fastft.model_card import model_card
-from fastft.plot import plot_loss
-from fastft.trl import StopOnSignal, answer_reward, dpo_config, grpo_config, kto_config, loss_history, sft_config
+from fastft.training.checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
+from fastft.training.data import METHODS, load_rows, prepare_rows
+from fastft.training.model_card import model_card
+from fastft.training.plot import plot_loss
+from fastft.training.trl import (
+    StopOnSignal,
+    answer_reward,
+    dpo_config,
+    grpo_config,
+    kto_config,
+    loss_history,
+    sft_config,
+)
 
-logger = logging.getLogger(__name__)
+# The name it had as fastft/train.py, which logging configurations and filters use.
+logger = logging.getLogger("fastft.train")
 
 VERSIONED = ("fastft", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "triton")
 # The logged number that shows a preference / RL run learning: DPO's and KTO's reward margin (chosen minus rejected
@@ -212,9 +221,9 @@ def run(options: TrainOptions) -> dict:
     """Train, write the adapter, ``metrics.json`` and ``loss.png`` into ``options.output``.
 
     ``options.method`` picks trl's trainer: ``"sft"`` (SFTTrainer), ``"dpo"`` (DPOTrainer), ``"kto"`` (KTOTrainer)
-    or ``"grpo"`` (GRPOTrainer, rewarded by :func:`fastft.trl.answer_reward`); the data must have that method's
-    columns (:func:`fastft.data.check_columns`). Under torchrun / ``accelerate launch`` every process trains (DDP,
-    ``batch_size`` examples each per step) and only rank 0 writes files; every process returns the metrics.
+    or ``"grpo"`` (GRPOTrainer, rewarded by :func:`fastft.training.trl.answer_reward`); the data must have that method's
+    columns (:func:`fastft.training.data.check_columns`). Under torchrun / ``accelerate launch`` every process trains
+    (DDP, ``batch_size`` examples each per step) and only rank 0 writes files; every process returns the metrics.
 
     Args:
         options: The run's settings.
@@ -227,10 +236,10 @@ def run(options: TrainOptions) -> dict:
     Raises:
         FileNotFoundError: ``options.data`` does not exist.
         FileExistsError: ``options.output`` holds checkpoints and neither ``resume`` nor ``overwrite`` is set.
-        fastft.data.DataError: The data cannot be read, or lacks the method's columns.
+        fastft.training.data.DataError: The data cannot be read, or lacks the method's columns.
         FileNotFoundError: A local ``options.model`` folder without config.json, weights or (with no
             ``options.tokenizer``) tokenizer files.
-        OptionsError: An unknown method, a number out of range (:func:`fastft.cli_checks.check_numbers`), or
+        OptionsError: An unknown method, a number out of range (:func:`fastft.training.checks.check_numbers`), or
             settings the method's trainer refuses.
         (All of them before the model is loaded and before ``options.output`` is created.)
 
@@ -276,7 +285,7 @@ def run(options: TrainOptions) -> dict:
 
 
 def _read_rows(options: TrainOptions) -> Any:
-    """``--data``'s rows, each line of a JSON lines file and each row's fields checked (:mod:`fastft.cli_checks`)."""
+    """``--data``'s rows, each line of a JSON lines file and each row's fields checked (:mod:`.checks`)."""
     path = Path(options.data) if options.data not in (None, "demo") else None
     lines = None
     if path is not None and path.suffix.lower() == ".jsonl" and path.is_file():

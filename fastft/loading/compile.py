@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+# The name it had as fastft/compile.py, which logging configurations and filters use.
+logger = logging.getLogger("fastft.compile")
 
 _ATTRIBUTE = "_fastft_compiled_layers"
 _MARK = "_fastft_compiled_from"

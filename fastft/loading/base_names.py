@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from fastft.embedded import ALIASES
+from fastft.loading.embedded import ALIASES
 
 # The hub id of each embedded model: the model its GGUF was quantised from.
 EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}

@@ -1,6 +1,6 @@
 """Export to GGUF, llama.cpp's single-file format, written with the ``gguf`` package (no llama.cpp build).
 
-The weights go through fastft's own merge (:func:`fastft.merge.merge_plan`: LoRA updates added in float32, a
+The weights go through fastft's own merge (:func:`fastft.export.merge.merge_plan`: LoRA updates added in float32, a
 4-bit base dequantised first), one tensor at a time and in blocks of rows, so the export never holds more than one
 block of dense float32 rows, or one q / k projection (its rows are permuted within each head). Each converted tensor
 is appended to a scratch file beside the output; the GGUF header needs every tensor's type and shape before the first
@@ -36,14 +36,15 @@ from peft import PeftModel
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastft.file_modes import as_if_created
-from fastft.merge import MergedTensor, merge_plan
-from fastft.shards import BLOCK_ELEMENTS, check_block
+from fastft.export.file_modes import as_if_created
+from fastft.export.merge import MergedTensor, merge_plan
+from fastft.export.shards import BLOCK_ELEMENTS, check_block
 
 if TYPE_CHECKING:
     import gguf as gguf_types
 
-logger = logging.getLogger(__name__)
+# The name it had as fastft/gguf_export.py, which logging configurations and filters use.
+logger = logging.getLogger("fastft.gguf_export")
 
 QUANTIZATIONS = ("f16", "bf16", "f32", "q8_0")
 # Converting a few million values at a time bounds the temporaries of the q8_0 quantiser (several copies of its input)

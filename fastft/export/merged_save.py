@@ -1,6 +1,6 @@
 """``FastModel.save_merged``: the merged model written as a plain transformers folder, streamed and all-or-nothing.
 
-The merge is streamed (:mod:`fastft.merge` plans it, :mod:`fastft.shards` writes each tensor's rows as they are
+The merge is streamed (:mod:`.merge` plans it, :mod:`.shards` writes each tensor's rows as they are
 merged), so host memory beyond the loaded model stays within one block of merged rows, or one dequantised projection
 of a 4-bit base. Everything goes into a hidden staging folder beside the target, which is renamed into place only
 when complete: a full disk, an exception or an interrupt leaves the target as it was (absent, or the old model).
@@ -20,17 +20,19 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from fastft.file_modes import as_if_created
-from fastft.merge import MergedTensor, MergePlan, merge_plan
+from fastft.export.file_modes import as_if_created
+from fastft.export.merge import MergedTensor, MergePlan, merge_plan
+from fastft.export.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
+from fastft.loading.dtypes import DTYPES
 from fastft.patches.causal_lm import unpatched_class
-from fastft.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
 
 try:
     from transformers.core_model_loading import revert_weight_conversion
 except ImportError:  # transformers < 5 saves tensors under their in-memory names
     revert_weight_conversion = None
 
-logger = logging.getLogger(__name__)
+# The name it had as fastft/merged_save.py, which logging configurations and filters use.
+logger = logging.getLogger("fastft.merged_save")
 
 SAVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,13 +43,11 @@ def resolve_save_dtype(dtype: torch.dtype | str) -> torch.dtype:
     Raises:
         ValueError: Any other dtype or name.
     """
-    from fastft.model import _DTYPES
-
-    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    resolved = DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
     if resolved not in SAVE_DTYPES:
         raise ValueError(
             f"fastft.save_merged: dtype={dtype!r} is not one the merged model can be saved in; pass torch.float16 "
-            f"(the default), torch.bfloat16 or torch.float32 (or one of the names {sorted(_DTYPES)})."
+            f"(the default), torch.bfloat16 or torch.float32 (or one of the names {sorted(DTYPES)})."
         )
     return resolved
 

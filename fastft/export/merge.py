@@ -2,9 +2,9 @@
 
 :func:`merge_plan` lists every tensor the merged model holds (name, shape, dtype) without computing any of them;
 each :class:`MergedTensor` then produces its float32 rows on demand, a block of rows at a time, with the LoRA update
-``B @ A * scale`` added for those rows only. The writers (:func:`fastft.merged_save.save_merged`'s safetensors shards
-and :func:`fastft.gguf_export.save_gguf`) stream those blocks to disk, so merging a model never holds more than one
-block of dense weights beside the model itself -- or, for a 4-bit base, one dequantised projection.
+``B @ A * scale`` added for those rows only. The writers (:func:`.merged_save.save_merged`'s safetensors shards and
+:func:`.gguf_export.save_gguf`) stream those blocks to disk, so merging a model never holds more than
+one block of dense weights beside the model itself -- or, for a 4-bit base, one dequantised projection.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from peft.utils import ModulesToSaveWrapper
 from fastft.contracts import ShapeContractError
 from fastft.kernels import dequantize_nf4
 
-logger = logging.getLogger(__name__)
+# The name it had as fastft/merge.py, which logging configurations and filters use.
+logger = logging.getLogger("fastft.merge")
 
 
 def dense_weight(name: str, parameter: torch.Tensor) -> torch.Tensor:

