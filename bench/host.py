@@ -11,7 +11,7 @@ alpha 16 on all seven projections; a step is a forward with ``labels = input_ids
 ``transformers+peft`` (the baseline), ``transformers+peft+gc``; ``unsloth`` / ``unsloth-nogc`` (``"unsloth"`` / no
 checkpointing), each in a ``--serve`` subprocess of ``--unsloth-python`` (Unsloth patches transformers process-wide),
 ``not run`` with the reason it gave where it cannot be imported; ``fastft`` / ``fastft+<mode>`` for every mode
-``fastft.checkpoint.resolve_mode`` accepts (found at run time), and ``fastft+compile`` (``get_peft_model(...,
+``fastft.checkpointing.modes.resolve_mode`` accepts (found at run time), and ``fastft+compile`` (``get_peft_model(...,
 compile=True)``; ``not run`` with the error where fastft rejects it).
 
 After ``--warmup`` steps (the first one's loss is the row's), the systems alternate for ``--rounds`` rounds of
@@ -447,7 +447,7 @@ def table(record: dict[str, Any]) -> str:
 
 def measure(args: argparse.Namespace, names: list[str], specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Build every system, warm up, alternate the timed rounds, then count and (on CUDA) profile one step each."""
-    from fastft.checkpoint import get_mode
+    from fastft.checkpointing.modes import get_mode
 
     rows = {name: {"system": name, "status": "ok", **specs[name]} for name in names}
     runners: dict[str, Runner | RemoteRunner] = {}

@@ -160,7 +160,7 @@ def grpo_trainer(system: str, model: Any, tokenizer: Any, seq: int, completion: 
 def probe(method: str, system: str, folder: str, seq: int, completion: int, out: str, device: str) -> dict[str, Any]:
     """One step of ``method`` on ``system`` in this process; what it measured."""
     from fastft.bench.measure import SavedTensorBytes, peak_rss_bytes, reset_peak_rss, resident_bytes
-    from fastft.checkpoint import get_mode
+    from fastft.checkpointing.modes import get_mode
 
     torch.manual_seed(SEED)
     model, tokenizer = build(system, folder, seq, device)

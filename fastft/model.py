@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastft import checkpoint, patches  # noqa: F401  (patches: registers the built-in ones)
+from fastft import patches  # noqa: F401  (registers the built-in patches)
+from fastft.checkpointing import modes as checkpoint
 from fastft.loading import adapters, lora, pretrained
 from fastft.loading.dtypes import resolve_dtype
 from fastft.loading.lora import (

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from trl import SFTTrainer
 
 from fastft import FastModel
-from fastft.checkpoint import get_mode
+from fastft.checkpointing.modes import get_mode
 from fastft.training.trl import sft_config
 
 STEPS, LENGTH, ROWS = 3, 24, 16

@@ -19,8 +19,8 @@ from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
 from fastft.bench.measure import SavedTensorBytes
-from fastft.checkpoint import PATCH_NAME, LayerCheckpoint, engine_of
-from fastft.offload import OffloadEngine
+from fastft.checkpointing.modes import PATCH_NAME, LayerCheckpoint, engine_of
+from fastft.checkpointing.offload import OffloadEngine
 
 LAYERS = 4
 
@@ -215,7 +215,7 @@ def test_patch_report_and_the_stock_fallback(tiny_folder, caplog):
     assert row["status"] == "applied" and row["modules"] == LAYERS
     # Without fastft's patches "offload" still checkpoints (transformers' recompute) and says why, once.
     stock, _ = FastModel.from_pretrained(str(tiny_folder), max_seq_length=128, patch=False)
-    with caplog.at_level(logging.WARNING, logger="fastft.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fastft.checkpointing.modes"):
         stock = FastModel.get_peft_model(stock, r=8, use_gradient_checkpointing="offload")
         stock.get_base_model().gradient_checkpointing_enable()
     randomize_lora_b(stock)
@@ -307,7 +307,7 @@ def test_sft_trainer_with_offload_ends_where_no_checkpointing_does(tiny_folder, 
 
 
 def test_the_host_buffer_pool_reuses_the_smallest_fit_and_grows_by_replacing():
-    from fastft.offload import HostBufferPool
+    from fastft.checkpointing.offload import HostBufferPool
 
     pool = HostBufferPool(pin_memory=False)
     small, large = pool.take(0, 10), pool.take(0, 3 << 20)

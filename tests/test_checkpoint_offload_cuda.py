@@ -12,7 +12,7 @@ from conftest import randomize_lora_b, relative_error
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastft import FastModel
-from fastft.checkpoint import engine_of
+from fastft.checkpointing.modes import engine_of
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,8 +1,8 @@
 """use_gradient_checkpointing=True on fastft's checkpointer: the recompute, what a call costs, what it must not skip.
 
 True ("recompute") keeps every layer input on the device and recomputes the layer in backward through the same
-:class:`~fastft.checkpoint_layer.LayerCheckpoint` as "offload" and "sqrt"; where the ``checkpoint.offload`` patch does
-not apply it is transformers' own checkpointing, without a warning (it is what True asks for).
+:class:`~fastft.checkpointing.layer.LayerCheckpoint` as "offload" and "sqrt"; where the ``checkpoint.offload`` patch
+does not apply it is transformers' own checkpointing, without a warning (it is what True asks for).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from conftest import assert_same_loss_and_grads, randomize_lora_b, save_tiny_lla
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastft import FastModel
-from fastft.checkpoint import MODES, LayerCheckpoint, engine_of, resolve_mode
-from fastft.checkpoint_layer import _CheckpointedLayer
+from fastft.checkpointing.layer import _CheckpointedLayer
+from fastft.checkpointing.modes import MODES, LayerCheckpoint, engine_of, resolve_mode
 
 LAYERS = 4
 
@@ -89,13 +89,13 @@ def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(folder, fused
 
 
 def test_without_the_patch_true_is_transformers_checkpointing_and_says_nothing(folder, caplog):
-    with caplog.at_level(logging.WARNING, logger="fastft.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fastft.checkpointing.modes"):
         model = _model(folder, True, patch=False)
         model.get_base_model().gradient_checkpointing_enable()
     assert engine_of(model) is None
     assert not any(isinstance(c, LayerCheckpoint) for c in _checkpoints(model))
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
-    assert not [r.message for r in caplog.records if r.name == "fastft.checkpoint"]
+    assert not [r.message for r in caplog.records if r.name == "fastft.checkpointing.modes"]
     assert_same_loss_and_grads(_step(_model(folder, False)), _step(model), bound=1e-4)
 
 

@@ -14,8 +14,8 @@ from conftest import assert_same_loss_and_grads, randomize_lora_b, relative_erro
 
 from fastft import FastModel
 from fastft.bench.measure import SavedTensorBytes
-from fastft.checkpoint import LayerCheckpoint, resolve_mode
-from fastft.replay import Segment, segment_length
+from fastft.checkpointing.modes import LayerCheckpoint, resolve_mode
+from fastft.checkpointing.replay import Segment, segment_length
 
 LAYERS = 9
 BATCH, LENGTH = 2, 23

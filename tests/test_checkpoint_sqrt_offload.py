@@ -18,7 +18,7 @@ from test_checkpoint_offload import _RecordedStreams
 
 from fastft import FastModel
 from fastft.bench.measure import SavedTensorBytes
-from fastft.checkpoint import LayerCheckpoint, engine_of, resolve_mode
+from fastft.checkpointing.modes import LayerCheckpoint, engine_of, resolve_mode
 
 LAYERS = 9
 BATCH, LENGTH = 2, 23

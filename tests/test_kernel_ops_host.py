@@ -18,6 +18,8 @@ from fastft.kernels.errors import ShapeContractError
 
 rms_norm_module = importlib.import_module("fastft.kernels.rms_norm")
 rope_module = importlib.import_module("fastft.kernels.rope")
+# RoPE's contract checks and their per-signature cache (split out of rope.py).
+rope_checks_module = importlib.import_module("fastft.kernels.rope_checks")
 
 
 class OpCounter(TorchDispatchMode):
@@ -155,8 +157,8 @@ def test_rms_norm_checks_once_per_signature(gen, monkeypatch):
 
 
 def test_rope_checks_once_per_signature_but_positions_every_call(gen, monkeypatch):
-    monkeypatch.setattr(rope_module, "_CHECKED", set())
-    calls = _counting(monkeypatch, rope_module, "_check")
+    monkeypatch.setattr(rope_checks_module, "_CHECKED", set())
+    calls = _counting(monkeypatch, rope_checks_module, "_check")
     q, k = random_tensor((1, 2, 3, 8), torch.float32, gen), random_tensor((1, 1, 3, 8), torch.float32, gen)
     cos, sin = random_tensor((4, 8), torch.float32, gen), random_tensor((4, 8), torch.float32, gen)
     apply_rope(q, k, cos, sin, position_ids=torch.tensor([[0, 1, 2]]))
@@ -203,7 +205,10 @@ def _rope_of_seq(gen, seq: int) -> None:
 
 @pytest.mark.parametrize(
     ("module", "cache", "limit", "call"),
-    [(rms_norm_module, "_PLANS", "_MAX_PLANS", _norm_of_rows), (rope_module, "_CHECKED", "_MAX_CHECKED", _rope_of_seq)],
+    [
+        (rms_norm_module, "_PLANS", "_MAX_PLANS", _norm_of_rows),
+        (rope_checks_module, "_CHECKED", "_MAX_CHECKED", _rope_of_seq),
+    ],
     ids=["rms_norm", "rope"],
 )
 def test_signature_caches_are_bounded(gen, monkeypatch, module, cache, limit, call):

@@ -13,7 +13,7 @@ from conftest import lora_model, relative_error
 from peft import PeftModel
 
 from fastft import FastModel, patch_report
-from fastft.checkpoint import is_enabled
+from fastft.checkpointing.modes import is_enabled
 from fastft.model import DEFAULT_TARGET_MODULES, resolve_dtype
 
 
@@ -259,7 +259,7 @@ def test_a_trainer_reenabling_checkpointing_every_step_is_told_once(tiny_llama_d
 
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     base = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload").get_base_model()
-    with caplog.at_level(logging.INFO, logger="fastft.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="fastft.checkpointing.modes"):
         # What trl's DPO / KTO / GRPO do around each reference forward.
         for _ in range(3):
             base.gradient_checkpointing_enable()

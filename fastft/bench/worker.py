@@ -242,7 +242,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     record["versions"] = environment.package_versions(PACKAGES)
     if spec["family"] == "fastft":
         from fastft import patch_report
-        from fastft.checkpoint import get_mode
+        from fastft.checkpointing.modes import get_mode
 
         record["fastft_patches"] = sorted(row["name"] for row in patch_report(model) if row["status"] == "applied")
         # The mode the model ended up in (None: off), so a row can be checked against the mode it was asked for.

@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from transformers import PreTrainedModel
 
-from fastft import checkpoint
+from fastft.checkpointing import modes as checkpoint
 from fastft.contracts import check_lora, check_projections, check_quant_states, guard_4bit
 from fastft.loading import distributed
 from fastft.loading.compile import compile_layers

@@ -15,7 +15,7 @@ BUILTIN = (
     "fastft.patches.phi3",
     "fastft.patches.generic",
     "fastft.patches.trl_logprobs",
-    "fastft.checkpoint",
+    "fastft.checkpointing.modes",
 )
 
 for _module in BUILTIN:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastft.replay import ReplayChain
+from fastft.checkpointing.replay import ReplayChain
 
 # Buffers grow in whole MiB, so batches whose lengths differ a little share one buffer.
 _GRANULE = 1 << 20

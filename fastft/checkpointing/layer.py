@@ -1,16 +1,17 @@
-"""fastft's checkpointer: one autograd node per checkpointed decoder-layer call (modes: :mod:`fastft.checkpoint`).
+"""fastft's checkpointer: one autograd node per checkpointed decoder-layer call (the modes:
+:mod:`fastft.checkpointing.modes`).
 
-A call runs the layer without a graph and keeps only what the recompute needs: the layer input (on the device, parked
-in host memory by :mod:`fastft.offload`, or replayed by :mod:`fastft.replay`), the RNG and autocast state the forward
-ran under, and the bound layer function. Its backward runs the layer again on the same (fused) path and hands the
-gradients of the input, of keyword tensors that need one and of the layer's trainable parameters back to autograd.
+A call runs the layer without a graph and keeps only what the recompute needs: the layer input (on the device,
+parked in host memory by :mod:`fastft.checkpointing.offload`, or replayed by :mod:`fastft.checkpointing.replay`),
+the RNG and autocast state the forward ran under, and the bound layer function. Its backward runs the layer again on
+the same (fused) path and hands the gradients of the input, of keyword tensors that need one and of the layer's
+trainable parameters back to autograd.
 
 What a call costs on the host is kept to what must be per call. The layer's parameters are walked once and walked
 again only when a module or parameter was registered into one of its modules (torch's registration hooks say so) or
 one of them was swapped out of its module; ``requires_grad`` is read on every call, so freezing or unfreezing a
-parameter takes effect at once. The RNG state is read straight from the generators (no
-``torch.random.fork_rng``), and the recompute enters autocast only where the backward's state differs from the
-forward's.
+parameter takes effect at once. The RNG state is read straight from the generators (no ``torch.random.fork_rng``),
+and the recompute enters autocast only where the backward's state differs from the forward's.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from fastft.checkpointing.offload import OffloadEngine, ParkedTensor
+from fastft.checkpointing.replay import ReplayedInput, Segment
 from fastft.kernels.custom_ops import direct_apply
-from fastft.offload import OffloadEngine, ParkedTensor
-from fastft.replay import ReplayedInput, Segment
 
 _Path = tuple[str, "int | None"]
 _WALK_ATTR = "_fastft_layer_parameters"
@@ -468,7 +469,7 @@ _apply_checkpointed = direct_apply(_CheckpointedLayer)
 
 
 class LayerCheckpoint:
-    """fastft's ``_gradient_checkpointing_func`` for one decoder layer (see :mod:`fastft.checkpoint`).
+    """fastft's ``_gradient_checkpointing_func`` for one decoder layer (see :mod:`fastft.checkpointing.modes`).
 
     transformers calls it as ``func(layer_call, *args)``, where ``layer_call`` runs the layer with its keyword
     arguments bound.
@@ -476,10 +477,10 @@ class LayerCheckpoint:
     Args:
         layer: The decoder layer; its trainable parameters get their gradients through the checkpoint.
         slot: The layer's position among the checkpointed layers.
-        engine: The model's :class:`~fastft.offload.OffloadEngine`.
+        engine: The model's :class:`~fastft.checkpointing.offload.OffloadEngine`.
         keep_on_device: Keep the input on its device instead of parking it in host memory.
-        segment: Layers per replay segment (``"sqrt"``, ``"sqrt-offload"``: :mod:`fastft.replay`); 0 keeps every
-            input.
+        segment: Layers per replay segment (``"sqrt"``, ``"sqrt-offload"``: :mod:`fastft.checkpointing.replay`);
+            0 keeps every input.
     """
 
     def __init__(

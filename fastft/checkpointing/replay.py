@@ -11,11 +11,11 @@ A layer joins the segment of the layer before it only when its input is that lay
 decoder loop passed it on unchanged) and it takes no other positional tensor; anything else starts a new segment, so
 a model whose loop does more between layers keeps more inputs but never replays a wrong one.
 
-Under ``"sqrt-offload"`` a segment's kept input is parked in host memory (:class:`fastft.offload.ParkedTensor`)
-instead of staying on the device. The segment then holds the parked copy, starts bringing it back while the segment
-above runs its backward (:meth:`Segment.prefetch`), and borrows it for the replay; the first layer's own backward
-takes the same device copy, so each kept input crosses to the host and back once per backward.
-"""
+Under ``"sqrt-offload"`` a segment's kept input is parked in host memory
+(:class:`fastft.checkpointing.offload.ParkedTensor`) instead of staying on the device. The segment then holds the
+parked copy, starts bringing it back while the segment above runs its backward (:meth:`Segment.prefetch`), and borrows
+it for the replay; the first layer's own backward takes the same device copy, so each kept input crosses to the host
+and back once per backward."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class Replayable(Protocol):
 
 
 class Parked(Protocol):
-    """A kept input that lives off the device between forward and backward (:class:`fastft.offload.ParkedTensor`)."""
+    """A kept input that lives off the device between forward and backward
+    (:class:`fastft.checkpointing.offload.ParkedTensor`)."""
 
     def prefetch(self) -> None: ...
 
