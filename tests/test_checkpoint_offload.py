@@ -215,7 +215,7 @@ def test_patch_report_and_the_stock_fallback(tiny_folder, caplog):
     assert row["status"] == "applied" and row["modules"] == LAYERS
     # Without fastft's patches "offload" still checkpoints (transformers' recompute) and says why, once.
     stock, _ = FastModel.from_pretrained(str(tiny_folder), max_seq_length=128, patch=False)
-    with caplog.at_level(logging.WARNING, logger="fastft.checkpointing.modes"):
+    with caplog.at_level(logging.WARNING, logger="fastft.checkpoint"):
         stock = FastModel.get_peft_model(stock, r=8, use_gradient_checkpointing="offload")
         stock.get_base_model().gradient_checkpointing_enable()
     randomize_lora_b(stock)

@@ -89,13 +89,13 @@ def test_the_fused_kernels_run_in_the_forward_and_in_the_recompute(folder, fused
 
 
 def test_without_the_patch_true_is_transformers_checkpointing_and_says_nothing(folder, caplog):
-    with caplog.at_level(logging.WARNING, logger="fastft.checkpointing.modes"):
+    with caplog.at_level(logging.WARNING, logger="fastft.checkpoint"):
         model = _model(folder, True, patch=False)
         model.get_base_model().gradient_checkpointing_enable()
     assert engine_of(model) is None
     assert not any(isinstance(c, LayerCheckpoint) for c in _checkpoints(model))
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
-    assert not [r.message for r in caplog.records if r.name == "fastft.checkpointing.modes"]
+    assert not [r.message for r in caplog.records if r.name == "fastft.checkpoint"]
     assert_same_loss_and_grads(_step(_model(folder, False)), _step(model), bound=1e-4)
 
 

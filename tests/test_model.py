@@ -259,7 +259,7 @@ def test_a_trainer_reenabling_checkpointing_every_step_is_told_once(tiny_llama_d
 
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir))
     base = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload").get_base_model()
-    with caplog.at_level(logging.INFO, logger="fastft.checkpointing.modes"):
+    with caplog.at_level(logging.INFO, logger="fastft.checkpoint"):
         # What trl's DPO / KTO / GRPO do around each reference forward.
         for _ in range(3):
             base.gradient_checkpointing_enable()
