@@ -21,7 +21,7 @@ With grad mode off (checkpointing's forward, a replay) the same forward runs and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -72,11 +72,9 @@ class DecoderLayerSpec:
 def _forward(
     spec: DecoderLayerSpec,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
     attend: Attend,
-    input_weight: torch.Tensor,
-    post_weight: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor],
     adapters: Sequence[torch.Tensor],
     dtype: torch.dtype | None,
     ctx: Any,
@@ -86,6 +84,7 @@ def _forward(
     ``dtype``: the autocast dtype (None without autocast). Each part then runs as its own node would: the norms and
     the attention under the caller's autocast, the projection groups with autocast off on inputs cast to ``dtype``.
     """
+    (cos, sin), (input_weight, post_weight) = tables, norms
     batch, seq, hidden = x.shape
     x2d = x.reshape(-1, hidden)
     qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
@@ -121,23 +120,9 @@ def _forward(
 
     if ctx is not None:
         ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
-        ctx.save_for_backward(
-            x2d,
-            input_rstd,
-            group_in,
-            xa_qkv,
-            cos,
-            sin,
-            o_in,
-            xa_o,
-            hidden_states,
-            post_rstd,
-            mlp_in,
-            *mlp_saved,
-            input_weight,
-            post_weight,
-            *adapters,
-        )
+        # Positional, in _Saved's order (a NamedTuple cannot be saved as such, its fields can).
+        saved = (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in)
+        ctx.save_for_backward(*saved, *mlp_saved, input_weight, post_weight, *adapters)
     return out.view(batch, seq, out.shape[-1])
 
 
@@ -220,6 +205,26 @@ class _NoContext:
 _NO_CONTEXT = _NoContext()
 
 
+class _Saved(NamedTuple):
+    """What the node keeps besides the norm weights and the adapters, in the order it saves them."""
+
+    x2d: torch.Tensor
+    input_rstd: torch.Tensor
+    group_in: torch.Tensor
+    xa_qkv: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    o_in: torch.Tensor
+    xa_o: torch.Tensor | None
+    hidden_states: torch.Tensor
+    post_rstd: torch.Tensor
+    mlp_in: torch.Tensor
+    xa_gate_up: torch.Tensor | None
+    gate: torch.Tensor
+    up: torch.Tensor
+    xa_down: torch.Tensor | None
+
+
 # x, spec, cos, sin, attend, dtype, input_weight, post_weight: which are tensors (the adapters all are).
 _TENSOR_ARGUMENTS = (True, False, True, True, False, False, True, True)
 
@@ -243,32 +248,14 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         # Which arguments are tensors (the node's edges): fastft's checkpointer calls this node by hand.
         ctx.tensor_inputs = _TENSOR_ARGUMENTS + (True,) * len(adapters)
-        return _forward(spec, x, cos, sin, attend, input_weight, post_weight, adapters, dtype, ctx)
+        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, ctx)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec: DecoderLayerSpec = ctx.spec
-        (
-            x2d,
-            input_rstd,
-            group_in,
-            xa_qkv,
-            cos,
-            sin,
-            o_in,
-            xa_o,
-            hidden_states,
-            post_rstd,
-            mlp_in,
-            xa_gate_up,
-            gate,
-            up,
-            xa_down,
-            input_weight,
-            post_weight,
-            *adapters,
-        ) = ctx.saved_tensors
+        saved = _Saved(*ctx.saved_tensors[: len(_Saved._fields)])
+        input_weight, post_weight, *adapters = ctx.saved_tensors[len(_Saved._fields) :]
         qkv_casts, o_casts, mlp_casts = ctx.casts
         batch, seq, hidden = ctx.shape
         needs = ctx.needs_input_grad
@@ -284,14 +271,16 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
 
         grad2d = grad.reshape(-1, hidden)
         grad_mlp_in, mlp_a, mlp_b = mlp_backward(
-            spec.mlp, mlp_in, (xa_gate_up, gate, up, xa_down), mlp_adapters, grad2d, True, mlp_needs, mlp_casts
+            spec.mlp, saved.mlp_in, saved[11:], mlp_adapters, grad2d, True, mlp_needs, mlp_casts
         )
         grad_post, grad_post_weight = rms_norm_backward(
-            grad_mlp_in, hidden_states, post_weight, post_rstd, 0.0, True, True, needs[7]
+            grad_mlp_in, saved.hidden_states, post_weight, saved.post_rstd, 0.0, True, True, needs[7]
         )
         grad_hidden = grad_post.add_(grad2d) if grad_post.dtype == grad2d.dtype else grad_post + grad2d
 
-        grad_o_in, o_a, o_b = spec.o.backward_math(o_in, xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts)
+        grad_o_in, o_a, o_b = spec.o.backward_math(
+            saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
+        )
         query, key, value, out = ctx.graph
         ctx.graph = None
         grad_out = grad_o_in.view(out.shape)
@@ -299,12 +288,21 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
             grad_out = grad_out.to(out.dtype)
         grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
         grad_in, qkv_a, qkv_b = qkv_rope_backward(
-            spec.qkv, group_in, xa_qkv, cos, sin, qkv_adapters, (grad_q, grad_k, grad_v), qkv_needs, 1, qkv_casts
+            spec.qkv,
+            saved.group_in,
+            saved.xa_qkv,
+            saved.cos,
+            saved.sin,
+            qkv_adapters,
+            (grad_q, grad_k, grad_v),
+            qkv_needs,
+            1,
+            qkv_casts,
         )
         grad_x = grad_input_weight = None
         if grad_in is not None:
             grad_x, grad_input_weight = rms_norm_backward(
-                grad_in, x2d, input_weight, input_rstd, 0.0, True, needs[0], needs[6]
+                grad_in, saved.x2d, input_weight, saved.input_rstd, 0.0, True, needs[0], needs[6]
             )
         if needs[0]:
             grad_x = (grad_x.add_(grad_hidden) if grad_x.dtype == grad_hidden.dtype else grad_x + grad_hidden).view(
@@ -361,7 +359,7 @@ def lora_decoder_layer(
     adapters = spec.adapters()
     if not torch.is_grad_enabled():
         # Nothing will be recorded (checkpointing's forward, a replay, evaluation): the same math, nothing kept.
-        return _forward(spec, x, cos, sin, attend, input_weight, post_weight, adapters, dtype, None)
+        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, None)
     return _apply(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *adapters)
 
 
