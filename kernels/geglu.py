@@ -5,9 +5,10 @@
 
     gelu_tanh(g) = 0.5 g (1 + tanh(z)),  z = sqrt(2 / pi) (g + 0.044715 g³)
 
-The kernels use the identity ``0.5 (1 + tanh(z)) = sigmoid(2 z)``, so they need one ``tl.exp`` and no libdevice
-``tanh``: the same code runs under the Triton interpreter and compiled for CUDA, and it does not lose precision to
-``1 + tanh(z)`` cancelling for very negative ``g``. With ``s = sigmoid(2 z)``:
+The kernels (:mod:`fastft.kernels.gate_kernels`, shared with SwiGLU) use the identity
+``0.5 (1 + tanh(z)) = sigmoid(2 z)``, so they need one ``tl.exp`` and no libdevice ``tanh``: the same code runs under
+the Triton interpreter and compiled for CUDA, and it does not lose precision to ``1 + tanh(z)`` cancelling for very
+negative ``g``. With ``s = sigmoid(2 z)``:
 
     gelu_tanh(g)  = g s
     d gelu_tanh/dg = s + g s (1 - s) · 2 dz/dg = s + g s (1 - s) sqrt(8 / pi) (1 + 3 · 0.044715 g²)
@@ -37,72 +38,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastft.kernels import dispatch
-from fastft.kernels.dispatch import tl, triton
+from fastft.kernels import dispatch, gate_kernels
 
 # The same input checks, buffer rules, ops and Function as SwiGLU: one implementation of them.
 from fastft.kernels.swiglu import GatedActivation, _check_inputs, gate_forward, gate_gradients, register_gate
-
-# Elementwise work: one block of this many elements per program (as SwiGLU).
-_BLOCK = 1024
-
-# The kernels write their constants as literals (a jit function may only read constexpr globals):
-#   2 z     = g (1.5957691216057308 + 0.07135481627260025 g²)    [2 sqrt(2/pi), 2 sqrt(2/pi) · 0.044715]
-#   2 dz/dg = 1.5957691216057308 + 0.21406444881780076 g²        [2 sqrt(2/pi) · 3 · 0.044715]
-
-
-@triton.jit
-def _sigmoid_2z(g, g2):
-    # s = sigmoid(2 z) = 0.5 (1 + tanh(z)) and s (1 - s), from e = exp(-|2 z|) <= 1: exp never overflows (no inf, no
-    # numpy overflow warning under the interpreter), and 1 - s is e / (1 + e) for 2 z >= 0 instead of 1 - s rounded
-    # near 1, so d gelu_tanh keeps its precision where s is close to 1.
-    t = g * (1.5957691216057308 + 0.07135481627260025 * g2)
-    e = tl.exp(-tl.abs(t))
-    r = 1.0 / (1.0 + e)
-    s = tl.where(t >= 0.0, r, e * r)
-    return s, e * r * r
-
-
-@triton.jit
-def _geglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
-    # int64 offsets: a long-context MLP activation passes 2**31 elements.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s, _ = _sigmoid_2z(g, g * g)
-    h = g * s * u
-    tl.store(out_ptr + offsets, h.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _geglu_backward_kernel(
-    dh_ptr,
-    gate_ptr,
-    up_ptr,
-    dgate_ptr,
-    dup_ptr,
-    n_elements,
-    WRITE_DGATE: tl.constexpr,
-    WRITE_DUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # dgate_ptr / dup_ptr may be gate_ptr / up_ptr themselves: each element is loaded before it is stored, by the
-    # same program, and the caller guarantees gate and up do not overlap, so no program reads what another wrote.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g2 = g * g
-    s, s_one_minus_s = _sigmoid_2z(g, g2)
-    if WRITE_DUP:
-        tl.store(dup_ptr + offsets, (dh * g * s).to(dup_ptr.dtype.element_ty), mask=mask)
-    if WRITE_DGATE:
-        dgelu = s + g * s_one_minus_s * (1.5957691216057308 + 0.21406444881780076 * g2)
-        tl.store(dgate_ptr + offsets, (dh * u * dgelu).to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -133,34 +72,14 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = dispatch.empty_like(gate)
-    n_elements = gate.numel()
-    if n_elements:
-        _geglu_forward_kernel[(triton.cdiv(n_elements, _BLOCK),)](gate, up, out, n_elements, BLOCK=_BLOCK)
+    gate_kernels.launch_forward(gate, up, out, gelu=True)
     return out
 
 
 def _launch_backward(
-    dh: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    dgate: torch.Tensor | None,
-    dup: torch.Tensor | None,
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor | None, dup: torch.Tensor | None
 ) -> None:
-    n_elements = gate.numel()
-    if not n_elements:
-        return
-    # An unused gradient slot still needs a pointer; the constexpr flag keeps it from being written.
-    _geglu_backward_kernel[(triton.cdiv(n_elements, _BLOCK),)](
-        dh,
-        gate,
-        up,
-        dgate if dgate is not None else gate,
-        dup if dup is not None else up,
-        n_elements,
-        WRITE_DGATE=dgate is not None,
-        WRITE_DUP=dup is not None,
-        BLOCK=_BLOCK,
-    )
+    gate_kernels.launch_backward(dh, gate, up, dgate, dup, gelu=True)
 
 
 def _gelu_tanh_backward(grad: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -40,54 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from fastft.kernels import dispatch
+from fastft.kernels import dispatch, gate_kernels
 from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
-from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
-
-# Elementwise work: one block of this many elements per program; large enough to keep loads wide on a GPU, small
-# enough that the odd tail block of a short input costs little.
-_BLOCK = 1024
-
-
-@triton.jit
-def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
-    # int64 offsets: a long-context MLP activation passes 2**31 elements.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + offsets, h.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _swiglu_backward_kernel(
-    dh_ptr,
-    gate_ptr,
-    up_ptr,
-    dgate_ptr,
-    dup_ptr,
-    n_elements,
-    WRITE_DGATE: tl.constexpr,
-    WRITE_DUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # dgate_ptr / dup_ptr may be gate_ptr / up_ptr themselves: each element is loaded before it is stored, by the
-    # same program, and the caller guarantees gate and up do not overlap, so no program reads what another wrote.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    if WRITE_DUP:
-        tl.store(dup_ptr + offsets, (dh * g * sig).to(dup_ptr.dtype.element_ty), mask=mask)
-    if WRITE_DGATE:
-        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-        tl.store(dgate_ptr + offsets, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(function: str, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -321,26 +276,14 @@ def register_gate(kind: GatedActivation, function_name: str, module: str, doc: s
 
 def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = dispatch.empty_like(gate)
-    if gate.numel():
-        _swiglu_forward_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK)
+    gate_kernels.launch_forward(gate, up, out, gelu=False)
     return out
 
 
 def _launch_backward(
     dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor | None, d_up: torch.Tensor | None
 ) -> None:
-    # An unused gradient slot still needs a pointer; the constexpr flag keeps it from being written.
-    _swiglu_backward_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](
-        dh,
-        gate,
-        up,
-        gate if d_gate is None else d_gate,
-        up if d_up is None else d_up,
-        gate.numel(),
-        WRITE_DGATE=d_gate is not None,
-        WRITE_DUP=d_up is not None,
-        BLOCK=_BLOCK,
-    )
+    gate_kernels.launch_backward(dh, gate, up, d_gate, d_up, gelu=False)
 
 
 def _silu_backward(grad: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
