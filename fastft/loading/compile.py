@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fastft.patches.fused_layer import upstream_layer_forward
+
 # The name it had as fastft/compile.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.compile")
 
@@ -39,23 +41,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def _layer_forward(cls: type) -> Any:
-    """The layer's own forward, beneath transformers' checkpointing wrapper where there is one (5.23 and later).
-
-    That wrapper calls the checkpointing function itself; compiled, it would have dynamo trace fastft's checkpointer.
-    ``functools.wraps`` gives the wrapper the forward's name, not its code, which keeps its own."""
-    forward = cls.forward
-    if getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
-        return forward.__wrapped__
-    return forward
-
-
 def _compiled_class(cls: type, options: dict[str, Any]) -> type:
     key = (cls, tuple(sorted(options.items())))
     with _lock:
         compiled = _classes.get(key)
         if compiled is None:
-            forward = torch.compile(_layer_forward(cls), **options)
+            # Beneath transformers' checkpointing wrapper (5.23 and later): compiled, it would have dynamo trace
+            # fastft's checkpointer.
+            forward = torch.compile(upstream_layer_forward(cls), **options)
             compiled = type(
                 cls.__name__,
                 (cls,),

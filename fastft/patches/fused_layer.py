@@ -43,8 +43,9 @@ _GLOBAL_HOOKS = (
 
 
 def upstream_layer_forward(upstream_class: type) -> Callable[..., Any]:
-    """The upstream layer's own forward, beneath transformers' checkpointing wrapper (5.23 and later), which the
-    subclass's forward gets again from ``GradientCheckpointingLayer.__init_subclass__``."""
+    """The layer class's own forward, beneath transformers' checkpointing wrapper (5.23 and later), which a subclass's
+    forward gets again from ``GradientCheckpointingLayer.__init_subclass__``. ``functools.wraps`` gives the wrapper the
+    forward's name, not its code, which keeps its own. Also what :mod:`fastft.loading.compile` compiles."""
     forward = upstream_class.forward
     if getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
         return forward.__wrapped__
