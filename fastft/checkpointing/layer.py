@@ -16,9 +16,10 @@ and the recompute enters autocast only where the backward's state differs from t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -500,7 +501,7 @@ class LayerCheckpoint:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             function = functools.partial(function, **kwargs)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _PLAIN[0]:
             return function(*args)
         parameters = self.layer_parameters.trainable()
         tensors = [item for item in args if isinstance(item, torch.Tensor)]
@@ -540,4 +541,22 @@ class LayerCheckpoint:
         return f"LayerCheckpoint(slot={self.slot}, keep_on_device={self.keep_on_device}, segment={self.segment})"
 
 
-__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters"]
+# Open plain_layers() blocks: while any is open, every checkpointed layer runs as plain autograd.
+_PLAIN = [0]
+
+
+@contextlib.contextmanager
+def plain_layers() -> Iterator[None]:
+    """Run every checkpointed layer without checkpointing inside the block (autograd keeps its activations).
+
+    For a forward whose side outputs need their gradient: an MoE model's router logits, which transformers collects
+    with hooks while the layer runs, reach the auxiliary loss detached if the layer runs without grad first.
+    """
+    _PLAIN[0] += 1
+    try:
+        yield
+    finally:
+        _PLAIN[0] -= 1
+
+
+__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters", "plain_layers"]

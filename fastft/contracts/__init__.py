@@ -18,6 +18,7 @@ from fastft.contracts._layers import _base_model
 from fastft.contracts.attention import AttentionShape, attention_shape, check_config, check_projections
 from fastft.contracts.checkpoint import check_checkpoint
 from fastft.contracts.lora import check_adapter_tensors, check_lora
+from fastft.contracts.moe import check_adapter_layout, check_moe_layout
 from fastft.contracts.quantized import check_quant_states, guard_4bit
 from fastft.contracts.sequence import guard_max_seq_length
 
@@ -30,10 +31,12 @@ __all__ = [
     "AttentionShape",
     "ShapeContractError",
     "attention_shape",
+    "check_adapter_layout",
     "check_adapter_tensors",
     "check_config",
     "check_lora",
     "check_model",
+    "check_moe_layout",
     "check_projections",
     "check_quant_states",
     "guard_4bit",
@@ -42,7 +45,7 @@ __all__ = [
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Run the static contracts on a loaded model: config, projections, 4-bit quant_states and LoRA pairs.
+    """Run the static contracts on a loaded model: config, projections, MoE experts, 4-bit quant_states, LoRA pairs.
 
     Args:
         model: A transformers model or a ``PeftModel``.
@@ -54,5 +57,6 @@ def check_model(model: torch.nn.Module) -> None:
     if config is not None:
         check_config(config, source=type(_base_model(model)).__name__ + ".config")
     check_projections(model)
+    check_moe_layout(model)
     check_quant_states(model)
     check_lora(model)

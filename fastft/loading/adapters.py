@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from peft import PeftModel
 
-from fastft.contracts import check_adapter_tensors, check_lora
+from fastft.contracts import check_adapter_layout, check_adapter_tensors, check_lora
 from fastft.loading.lora import check_base, keep_trainable_fp32
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,8 +73,8 @@ def load_adapter(
         The ``PeftModel`` (``model`` itself when it already was one).
 
     Raises:
-        ShapeContractError: A tensor (named by its key) whose shape does not fit the base model, or a base model
-            that breaks a contract itself.
+        ShapeContractError: A tensor (named by its key) whose shape does not fit the base model, an adapter whose
+            expert weights are for the other MoE layout, or a base model that breaks a contract itself.
         ValueError: The adapter is not a LoRA adapter.
         FileNotFoundError: No ``adapter_config.json`` or adapter weights.
     """
@@ -88,7 +88,9 @@ def load_adapter(
             "LoRA adapters. Use peft.PeftModel.from_pretrained for other methods."
         )
     check_base(model)
-    check_adapter_tensors(model, _adapter_tensors(adapter_path, hub_kwargs), adapter_config)
+    tensors = _adapter_tensors(adapter_path, hub_kwargs)
+    check_adapter_layout(model, tensors, f"fastft.load_adapter({adapter_path})")
+    check_adapter_tensors(model, tensors, adapter_config)
     options = {"adapter_name": adapter_name, "is_trainable": is_trainable, **hub_kwargs}
     if isinstance(model, PeftModel):
         model.load_adapter(str(adapter_path), **options)

@@ -13,9 +13,11 @@ from peft import get_peft_model as _peft_get_peft_model
 from transformers import PreTrainedModel
 
 from fastft.checkpointing import modes as checkpoint
-from fastft.contracts import check_lora, check_projections, check_quant_states, guard_4bit
+from fastft.contracts import check_lora, check_moe_layout, check_projections, check_quant_states, guard_4bit
+from fastft.contracts.moe import moe_blocks
 from fastft.loading import distributed
 from fastft.loading.compile import compile_layers
+from fastft.loading.moe_targets import moe_targets
 from fastft.registry import apply_patches
 
 # fastft.model's, the name users' logging configurations know.
@@ -24,13 +26,18 @@ logger = logging.getLogger("fastft.model")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3 / Phi-4-mini pack q | k | v and gate | up into one projection each.
 PACKED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The router's module name in a mixture-of-experts block (Qwen / Mixtral, gpt-oss).
+_ROUTERS = ("gate", "router")
 
 
 def default_target_modules(model: torch.nn.Module) -> tuple[str, ...]:
-    """The attention and MLP projections of ``model``'s architecture: Llama's seven, or the packed four."""
+    """The attention and MLP projections of ``model``'s architecture: Llama's seven, or the packed four; on a
+    mixture-of-experts model those of the seven it has (its experts' come from :func:`moe_targets`)."""
     available = linear_leaf_names(model)
     if {"qkv_proj", "gate_up_proj"} & available and not {"q_proj", "gate_proj"} & available:
         return PACKED_TARGET_MODULES
+    if any(True for _ in moe_blocks(model)):
+        return tuple(name for name in DEFAULT_TARGET_MODULES if name in available)
     return DEFAULT_TARGET_MODULES
 
 
@@ -137,6 +144,7 @@ def check_base(model: torch.nn.Module) -> None:
     # Every entry point that receives a base model: projections against the config, 4-bit weights with their
     # quant_state, the per-forward 4-bit guards and the nn.DataParallel refusal (adding them again is a no-op).
     check_projections(model)
+    check_moe_layout(model)
     check_quant_states(model)
     guard_4bit(model)
     distributed.guard_data_parallel(base_model(model))
@@ -151,6 +159,7 @@ def get_peft_model(
     use_gradient_checkpointing: bool | str = "offload",
     random_state: int = 3407,
     compile: bool = False,
+    train_router: bool = False,
     **lora_kwargs: Any,
 ) -> PeftModel:
     """Add LoRA adapters and set up the model for training.
@@ -162,7 +171,10 @@ def get_peft_model(
         lora_dropout: Dropout on the LoRA input.
         target_modules: Names of the linear layers to adapt (one name may be given as a string); ``None`` means
             every attention and MLP projection of the architecture (q/k/v/o/gate/up/down, or Phi-3's packed
-            qkv/o/gate_up/down).
+            qkv/o/gate_up/down). On a mixture-of-experts model ``None`` also puts one adapter on every expert, by
+            peft's mechanism for the layout the installed transformers loaded (:mod:`fastft.loading.moe_targets`:
+            ``target_parameters`` on 5.x's fused 3-D experts, the experts' own projections on 4.x); a list given
+            here adapts what it names, plus whatever ``target_parameters`` names.
         use_gradient_checkpointing: ``False``, ``True`` (recompute: each layer's input kept on the device and the
             layer run again in backward, on the fused path), ``"offload"`` (alias ``"unsloth"``: the inputs parked
             in pinned host memory), ``"sqrt"`` (one layer input in every ``ceil(sqrt(layers))`` kept, the others
@@ -172,6 +184,8 @@ def get_peft_model(
             forward, compiled on the first step (its time is reported by ``fastft train``) and shared by all
             layers; fastft's kernels are custom ops inside it, checkpointing stays around it. Off by default,
             on CUDA too, until a GPU measurement shows it faster (``bench/host.py``).
+        train_router: Mixture-of-experts models: also a LoRA on each block's router (off by default: it changes
+            which experts each token reaches). Refused on a dense model.
         **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
 
     Returns:
@@ -212,11 +226,26 @@ def get_peft_model(
             f"fastft.get_peft_model: compile must be True (regional compilation of the decoder layers) or False, "
             f"got {compile!r}."
         )
+    if not isinstance(train_router, bool):
+        raise ValueError(f"fastft.get_peft_model: train_router must be True or False, got {train_router!r}.")
+    experts = moe_targets(model, train_router)
+    if train_router and experts is None:
+        raise ValueError(
+            f"fastft.get_peft_model: train_router=True, but {type(model).__name__} has no mixture-of-experts "
+            "router; leave train_router out for a dense model."
+        )
     if isinstance(target_modules, str):
         # peft reads a string as a regular expression over full module names, where "q_proj" matches nothing;
         # a single layer name is what is meant here.
         target_modules = [target_modules]
     targets = list(default_target_modules(model) if target_modules is None else target_modules)
+    if experts is not None:
+        # An explicit list adapts what it names; the router, when asked for, is added to it all the same.
+        explicit = target_modules is not None
+        targets += [n for n in experts.modules if n not in targets and not (explicit and n not in _ROUTERS)]
+        wanted = [n for n in experts.parameters if not (explicit and n.split(".")[0] not in _ROUTERS)]
+        if wanted and "target_parameters" not in lora_kwargs:
+            lora_kwargs["target_parameters"] = wanted
     available = linear_leaf_names(model)
     if not targets:
         raise ValueError(

@@ -13,6 +13,7 @@ BUILTIN = (
     "fastft.patches.qwen",
     "fastft.patches.gemma",
     "fastft.patches.phi3",
+    "fastft.patches.moe",
     "fastft.patches.generic",
     "fastft.patches.trl_logprobs",
     "fastft.checkpointing.modes",

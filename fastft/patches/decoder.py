@@ -403,12 +403,13 @@ def loss_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, st
 
 @dataclass(frozen=True)
 class FastClasses:
-    """A family's subclasses: each changes ``forward`` only. ``decoder_layer``: the layer as one fused node
+    """A family's subclasses: each changes ``forward`` only. ``mlp``: None for a family without a dense gated MLP
+    (Mixtral's layers are all mixture-of-experts). ``decoder_layer``: the layer as one fused node
     (:mod:`fastft.patches.fused_layer`), for Llama-shaped layers."""
 
     rms_norm: type
     attention: type
-    mlp: type
+    mlp: type | None
     causal_lm: type
     decoder_layer: type | None = None
 
@@ -471,6 +472,8 @@ def register_family(family: Family, classes: FastClasses, ranges: tuple[VersionR
                 (),
             ),
         )
+        if classes.mlp is None:
+            parts = tuple(part for part in parts if part[0] != "mlp")
         if classes.decoder_layer is not None and versions.decoder_layer_fingerprint is not None:
             layer = ("decoder_layer", "DecoderLayer", classes.decoder_layer, versions.decoder_layer_fingerprint)
             parts += ((*layer, _gated_mlp_only(family), None, ()),)

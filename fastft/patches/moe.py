@@ -1,0 +1,172 @@
+"""Qwen3-MoE and Mixtral: their attention, norms, dense MLPs and loss on the fused path; the experts as upstream's.
+
+Attention is Qwen3's (per-head q / k norms) or Mistral's (a sliding window from the config), so the bodies in
+:mod:`fastft.patches.decoder` serve them unchanged; Qwen3-MoE's dense layers (``mlp_only_layers``) are a gated MLP.
+The sparse block (router, experts) runs upstream's forward, through peft's own LoRA on the experts
+(:mod:`fastft.loading.moe_targets`), and the patch report says so.
+
+The training loss goes through the fused linear cross-entropy unless router logits are asked for
+(``output_router_logits``, from the call or the config): the auxiliary load-balancing loss needs them, so that call
+runs upstream's own forward, loss included, and runs its layers without fastft's checkpointing, whose first pass
+would hand the auxiliary loss router logits without their gradient (a warning says so once).
+
+Records cover the four transformers ranges the lanes test; their signatures were read from each range's release.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.models.mixtral import modeling_mixtral as mixtral
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+from fastft.checkpointing import modes as checkpointing
+from fastft.checkpointing.layer import plain_layers
+from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
+from fastft.patches.decoder import (
+    Family,
+    FastClasses,
+    VersionRange,
+    attention_forward,
+    gated_mlp_forward,
+    register_family,
+    rms_norm_forward,
+)
+from fastft.patches.llama import (
+    ATTENTION_5,
+    ATTENTION_453,
+    ATTENTION_456,
+    _config_window,
+    renamed_cache,
+)
+from fastft.patches.qwen import _layer_window
+
+logger = logging.getLogger("fastft.model")
+_WARNED: list[bool] = []
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    model_type="qwen3_moe",
+    upstream=qwen3_moe,
+    prefix="Qwen3Moe",
+    head_norms=True,
+    attention_kwargs=_layer_window,
+)
+MIXTRAL = Family(
+    name="mixtral", model_type="mixtral", upstream=mixtral, prefix="Mixtral", attention_kwargs=_config_window
+)
+
+
+def moe_causal_lm_forward(upstream_class: type) -> Callable[..., Any]:
+    """``upstream_class.forward`` (an MoE ``...ForCausalLM``) with the fused loss, except where router logits are
+    wanted: then upstream's own forward, whose auxiliary loss reads them."""
+    fused = causal_lm_forward(upstream_class)
+    upstream = upstream_class.forward
+    signature = inspect.signature(upstream)
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = signature.bind_partial(self, *args, **kwargs).arguments.get("output_router_logits")
+        if wanted is None:
+            wanted = getattr(self.config, "output_router_logits", False)
+        if not wanted:
+            return fused(self, *args, **kwargs)
+        if self.training and torch.is_grad_enabled() and checkpointing.get_mode(self) is not None:
+            if not _WARNED:
+                _WARNED.append(True)
+                logger.warning(
+                    "fastft: output_router_logits is on, so the MoE layers run without activation checkpointing "
+                    "while it is (the load-balancing loss needs the router logits' gradient, which a checkpointed "
+                    "layer's first pass does not keep): more activation memory. Set output_router_logits=False "
+                    "to train with checkpointing."
+                )
+            with plain_layers():
+                return upstream(self, *args, **kwargs)
+        return upstream(self, *args, **kwargs)
+
+    forward.__signature__ = signature
+    forward.__doc__ = (
+        f"``{upstream_class.__name__}.forward`` with the fused loss (upstream's when router logits are on)."
+    )
+    return forward
+
+
+class FastQwen3MoeRMSNorm(qwen3_moe.Qwen3MoeRMSNorm):
+    """``Qwen3MoeRMSNorm`` (layer norms and per-head q_norm / k_norm) through the fused RMSNorm kernel."""
+
+    forward = rms_norm_forward
+
+
+class FastQwen3MoeMLP(qwen3_moe.Qwen3MoeMLP):
+    """``Qwen3MoeMLP`` (the dense layers of ``mlp_only_layers``) as one fused LoRA-MLP node."""
+
+    forward = gated_mlp_forward(QWEN3_MOE)
+
+
+class FastQwen3MoeAttention(qwen3_moe.Qwen3MoeAttention):
+    """``Qwen3MoeAttention`` with the fused LoRA-QKV, per-head q / k RMSNorm, RoPE and LoRA-O kernels."""
+
+    forward = attention_forward(QWEN3_MOE, qwen3_moe.Qwen3MoeAttention)
+
+
+class FastQwen3MoeForCausalLM(FusedLossState, qwen3_moe.Qwen3MoeForCausalLM):
+    """``Qwen3MoeForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
+
+    forward = moe_causal_lm_forward(qwen3_moe.Qwen3MoeForCausalLM)
+
+
+class FastMixtralRMSNorm(mixtral.MixtralRMSNorm):
+    """``MixtralRMSNorm`` through the fused RMSNorm kernel."""
+
+    forward = rms_norm_forward
+
+
+class FastMixtralAttention(mixtral.MixtralAttention):
+    """``MixtralAttention`` with the fused LoRA-QKV, RoPE and LoRA-O kernels (its sliding window passed on)."""
+
+    forward = attention_forward(MIXTRAL, mixtral.MixtralAttention)
+
+
+class FastMixtralForCausalLM(FusedLossState, mixtral.MixtralForCausalLM):
+    """``MixtralForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
+
+    forward = moe_causal_lm_forward(mixtral.MixtralForCausalLM)
+
+
+# The MoE heads' signatures (Qwen3-MoE and Mixtral share them): output_router_logits besides Llama's arguments.
+CAUSAL_LM_453 = (
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, output_router_logits=None, "
+    "cache_position=None, logits_to_keep=0, **kwargs)"
+)
+CAUSAL_LM_456 = (
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, output_router_logits=None, cache_position=None, logits_to_keep=0, **kwargs)"
+)
+CAUSAL_LM_5 = (
+    "(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None, "
+    "labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0, **kwargs)"
+)
+
+
+def moe_ranges() -> tuple[VersionRange, ...]:
+    """The four transformers ranges the lanes test, with the MoE heads' signatures."""
+    return (
+        VersionRange(">=4.53.3,<4.56", ATTENTION_453, CAUSAL_LM_453),
+        VersionRange(">=4.56,<4.58", ATTENTION_456, CAUSAL_LM_456),
+        VersionRange(">=5.5.4,<5.24", ATTENTION_5, CAUSAL_LM_5),
+        VersionRange(">=5.24,<5.25", renamed_cache(ATTENTION_5), renamed_cache(CAUSAL_LM_5)),
+    )
+
+
+register_family(
+    QWEN3_MOE,
+    FastClasses(FastQwen3MoeRMSNorm, FastQwen3MoeAttention, FastQwen3MoeMLP, FastQwen3MoeForCausalLM),
+    moe_ranges(),
+)
+register_family(
+    MIXTRAL, FastClasses(FastMixtralRMSNorm, FastMixtralAttention, None, FastMixtralForCausalLM), moe_ranges()
+)
