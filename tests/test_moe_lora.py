@@ -16,6 +16,8 @@ from fastft import FastModel
 from fastft.contracts import ShapeContractError, check_moe_layout
 from fastft.contracts.moe import moe_blocks
 
+pytestmark = pytest.mark.lane
+
 E, TOP_K, HIDDEN, INTERMEDIATE, VOCAB = 4, 2, 32, 48, 256
 
 
