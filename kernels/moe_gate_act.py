@@ -1,0 +1,192 @@
+"""The gated activation of the grouped experts, read straight from the packed gate | up rows, forward and backward.
+
+The gate_up GEMM writes ``GU [N, 2I]`` in the weight's own row order: gate's I columns then up's (Qwen3-MoE, Mixtral
+in transformers 5), or gate and up interleaved column by column (gpt-oss). Column ``j`` of gate is at
+``gate_start + j · step`` and of up at ``up_start + j · step`` (``step`` 1 or 2), so neither order is copied apart.
+
+Activations (``act`` a compile-time flag):
+
+- ``silu`` (SwiGLU): ``H = silu(g) · u``.
+- ``gpt_oss``: gpt-oss's clamped SwiGLU: ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``,
+  ``H = (u' + 1) · g' · sigmoid(alpha · g')``; a clamped input gets no gradient, as torch's ``clamp`` gives none.
+
+Backward takes ``dH`` before the router weight (``dH_u``) and the per-row weight ``w``, so ``dH = w · dH_u`` is
+formed in registers, and writes d gate and d up over the GU buffer itself (each element is read before it is written,
+by the same program): the gate | up gradient has the layout of GU, which the next GEMM reads as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastft.kernels import dispatch
+from fastft.kernels.dispatch import tl, triton
+
+# Activation ids of the kernels' ACT flag.
+SILU, GPT_OSS = 0, 1
+ACTIVATIONS = {"silu": SILU, "gpt_oss": GPT_OSS}
+BLOCK = 1024
+
+
+@triton.jit
+def _gate_up_offsets(offsets, inter, row_stride, step, gate_start, up_start):
+    row = offsets // inter
+    col = offsets % inter
+    base = row * row_stride + col * step
+    return row, base + gate_start, base + up_start
+
+
+@triton.jit(do_not_specialize=["n_elements"])
+def _moe_act_forward_kernel(
+    gu_ptr,
+    h_ptr,
+    n_elements,
+    inter,
+    row_stride,
+    step,
+    gate_start,
+    up_start,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    _, gate_at, up_at = _gate_up_offsets(offsets, inter, row_stride, step, gate_start, up_start)
+    g = tl.load(gu_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:
+        lim = tl.cast(limit, tl.float32)
+        g = tl.minimum(g, lim)
+        u = tl.minimum(tl.maximum(u, -lim), lim)
+        h = (u + 1.0) * g * tl.sigmoid(tl.cast(alpha, tl.float32) * g)
+    else:
+        h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_elements"])
+def _moe_act_backward_kernel(
+    dh_ptr,
+    row_scale_ptr,
+    gu_ptr,
+    n_elements,
+    inter,
+    row_stride,
+    step,
+    gate_start,
+    up_start,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    row, gate_at, up_at = _gate_up_offsets(offsets, inter, row_stride, step, gate_start, up_start)
+    weight = tl.load(row_scale_ptr + row, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * weight
+    g = tl.load(gu_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:
+        lim = tl.cast(limit, tl.float32)
+        a = tl.cast(alpha, tl.float32)
+        gc = tl.minimum(g, lim)
+        uc = tl.minimum(tl.maximum(u, -lim), lim)
+        s = tl.sigmoid(a * gc)
+        dg = tl.where(g <= lim, dh * (uc + 1.0) * (s + a * gc * s * (1.0 - s)), 0.0)
+        du = tl.where((u >= -lim) & (u <= lim), dh * gc * s, 0.0)
+    else:
+        s = tl.sigmoid(g)
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        du = dh * g * s
+    tl.store(gu_ptr + gate_at, dg.to(gu_ptr.dtype.element_ty), mask=mask)
+    tl.store(gu_ptr + up_at, du.to(gu_ptr.dtype.element_ty), mask=mask)
+
+
+def layout(gu: torch.Tensor, interleaved: bool) -> tuple[int, int, int, int]:
+    """``(I, step, gate_start, up_start)`` of a ``[N, 2I]`` gate | up buffer (contiguous rows)."""
+    inter = gu.shape[1] // 2
+    return (inter, 2, 0, 1) if interleaved else (inter, 1, 0, inter)
+
+
+def _gate_up_views(gu: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if interleaved:
+        return gu[:, 0::2], gu[:, 1::2]
+    return gu.chunk(2, dim=1)
+
+
+def act_forward_reference(gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float) -> torch.Tensor:
+    """``H [N, I]`` from ``GU [N, 2I]`` in torch, computed in fp32 and rounded once (as the kernel does)."""
+    gate, up = (t.float() for t in _gate_up_views(gu, interleaved))
+    if act == GPT_OSS:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return ((up + 1.0) * gate * torch.sigmoid(gate * alpha)).to(gu.dtype)
+    return (torch.nn.functional.silu(gate) * up).to(gu.dtype)
+
+
+def act_backward_reference_(
+    dh: torch.Tensor, row_scale: torch.Tensor, gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float
+) -> torch.Tensor:
+    """Write ``d GU`` (for ``dH = row_scale · dh``) over ``gu`` in torch; returns ``gu``."""
+    gate_view, up_view = _gate_up_views(gu, interleaved)
+    g, u = gate_view.float(), up_view.float()
+    d = dh.float() * row_scale.float()[:, None]
+    if act == GPT_OSS:
+        gc = g.clamp(max=limit)
+        uc = u.clamp(min=-limit, max=limit)
+        s = torch.sigmoid(alpha * gc)
+        dg = torch.where(g <= limit, d * (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
+        du = torch.where((u >= -limit) & (u <= limit), d * gc * s, 0.0)
+    else:
+        s = torch.sigmoid(g)
+        dg = d * u * s * (1.0 + g * (1.0 - s))
+        du = d * g * s
+    gate_view.copy_(dg)
+    up_view.copy_(du)
+    return gu
+
+
+def act_forward(gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float) -> torch.Tensor:
+    """The gated activation of a contiguous ``GU [N, 2I]``: ``H [N, I]`` in its dtype (Triton or torch)."""
+    if not dispatch.use_triton(gu):
+        return act_forward_reference(gu, interleaved, act, alpha, limit)
+    inter, step, gate_start, up_start = layout(gu, interleaved)
+    h = dispatch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
+    n_elements = h.numel()
+    if n_elements:
+        _moe_act_forward_kernel[(triton.cdiv(n_elements, BLOCK),)](
+            gu, h, n_elements, inter, gu.stride(0), step, gate_start, up_start, float(alpha), float(limit),
+            ACT=act, BLOCK=BLOCK,
+        )  # fmt: skip
+    return h
+
+
+def act_backward_(
+    dh: torch.Tensor, row_scale: torch.Tensor, gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float
+) -> torch.Tensor:
+    """Write the gate | up gradient for ``dH = row_scale[:, None] · dh`` (``dh [N, I]`` contiguous) over ``gu``."""
+    if not dispatch.use_triton(gu):
+        return act_backward_reference_(dh, row_scale, gu, interleaved, act, alpha, limit)
+    inter, step, gate_start, up_start = layout(gu, interleaved)
+    n_elements = dh.numel()
+    if n_elements:
+        _moe_act_backward_kernel[(triton.cdiv(n_elements, BLOCK),)](
+            dh, row_scale, gu, n_elements, inter, gu.stride(0), step, gate_start, up_start, float(alpha),
+            float(limit), ACT=act, BLOCK=BLOCK,
+        )  # fmt: skip
+    return gu
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "GPT_OSS",
+    "SILU",
+    "act_backward_",
+    "act_backward_reference_",
+    "act_forward",
+    "act_forward_reference",
+    "layout",
+]
