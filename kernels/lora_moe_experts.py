@@ -296,7 +296,9 @@ class LoRAMoEExpertsFunction(torch.autograd.Function):
         out, saved = lora_moe_math.forward(experts.config, x2d, top_k_index, top_k_weights, weights)
         ctx.experts = experts
         ctx.x_shape = x.shape
-        ctx.save_for_backward(x2d, top_k_weights, *saved, *adapters)
+        ctx.adapter_dtypes = tuple(None if a is None else a.dtype for a in adapters)
+        # The adapters as forward used them (cast to x's dtype once), so backward does not cast them again.
+        ctx.save_for_backward(x2d, top_k_weights, *saved, *weights[4:])
         return out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
@@ -316,7 +318,8 @@ class LoRAMoEExpertsFunction(torch.autograd.Function):
         dispatch.mark_overwritten(gate_up)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape)
-        typed = [None if g is None or a is None else g.to(a.dtype) for g, a in zip(grads, adapters, strict=True)]
+        dtypes = ctx.adapter_dtypes
+        typed = [None if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes, strict=True)]
         return (grad_x, None, grad_w, None, *typed)
 
 

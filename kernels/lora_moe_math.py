@@ -147,29 +147,33 @@ def backward(
     row_weights = top_k_weights.reshape(-1)[routing.order]
     grad = grad.contiguous()
     s1, s2 = config.gate_up_scale, config.down_scale
-    hidden = act_forward(saved.gate_up, config.interleaved, config.act, config.alpha, config.limit)
+    lora_down = needs_down and weights.a2 is not None
     gb2 = None
     if weights.b2 is not None:
         gb2 = grouped_gemm(grad, weights.b2.transpose(1, 2), routing, gather=True)
     a2_t = weights.a2.transpose(1, 2) if weights.a2 is not None else None
     dh = grouped_gemm(grad, weights.down.transpose(1, 2), routing, gather=True, xa=gb2, lora_b=a2_t, scale=s2)
+    grad_a2 = grad_b2 = None
+    if lora_down:
+        # dA2 needs H itself; without a down adapter to train, only its per-row sum with dH_u is needed, which the
+        # gate's backward kernel forms from the H it recomputes anyway.
+        hidden = act_forward(saved.gate_up, config.interleaved, config.act, config.alpha, config.limit)
+        grad_a2 = grouped_outer(gb2, hidden, routing, row_scale=row_weights, scale=s2)
+        del hidden
+        grad_b2 = grouped_outer(grad, saved.xa_down, routing, gather_a=True, row_scale=row_weights, scale=s2)
+    del gb2
+    per_row = act_backward_(
+        dh, row_weights, saved.gate_up, config.interleaved, config.act, config.alpha, config.limit, rowdot=needs_w
+    )
+    d_gate_up = saved.gate_up
+    del dh
     grad_w = None
     if needs_w:
-        per_row = torch.linalg.vecdot(dh.float(), hidden.float())
         if weights.down_bias is not None:
             # <dout_t, b2_e> for every (token, expert) pair is a [T, E] product; the rows pick theirs.
             per_token = grad.float() @ weights.down_bias.float().t()
             per_row += per_token[routing.token, routing.expert]
         grad_w = per_row[routing.inverse].view(tokens, k).to(top_k_weights.dtype)
-    grad_a2 = grad_b2 = None
-    if needs_down and weights.a2 is not None:
-        grad_a2 = grouped_outer(gb2, hidden, routing, row_scale=row_weights, scale=s2)
-        grad_b2 = grouped_outer(grad, saved.xa_down, routing, gather_a=True, row_scale=row_weights, scale=s2)
-    del hidden, gb2
-    d_gate_up = act_backward_(
-        dh, row_weights, saved.gate_up, config.interleaved, config.act, config.alpha, config.limit
-    )
-    del dh
     db1 = None
     if weights.b1 is not None and (needs_x or needs_gate_up):
         db1 = grouped_gemm(d_gate_up, weights.b1.transpose(1, 2), routing)

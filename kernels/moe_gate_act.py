@@ -12,7 +12,9 @@ Activations (``act`` a compile-time flag):
 
 Backward takes ``dH`` before the router weight (``dH_u``) and the per-row weight ``w``, so ``dH = w · dH_u`` is
 formed in registers, and writes d gate and d up over the GU buffer itself (each element is read before it is written,
-by the same program): the gate | up gradient has the layout of GU, which the next GEMM reads as it is.
+by the same program): the gate | up gradient has the layout of GU, which the next GEMM reads as it is. A backward
+program owns whole rows, so it also sums ``<dH_u, H>`` per row from the H it recomputes: the router weight's gradient
+without another pass over ``[N, I]``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from fastft.kernels.dispatch import tl, triton
 SILU, GPT_OSS = 0, 1
 ACTIVATIONS = {"silu": SILU, "gpt_oss": GPT_OSS}
 BLOCK = 1024
+# Backward: whole rows per program (for the per-row sum), in column chunks.
+BLOCK_ROWS, BLOCK_COLS = 4, 256
 
 
 @triton.jit
@@ -66,12 +70,13 @@ def _moe_act_forward_kernel(
     tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_elements"])
+@triton.jit(do_not_specialize=["rows"])
 def _moe_act_backward_kernel(
     dh_ptr,
     row_scale_ptr,
     gu_ptr,
-    n_elements,
+    rowdot_ptr,
+    rows,
     inter,
     row_stride,
     step,
@@ -80,29 +85,46 @@ def _moe_act_backward_kernel(
     alpha,
     limit,
     ACT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROWDOT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    row, gate_at, up_at = _gate_up_offsets(offsets, inter, row_stride, step, gate_start, up_start)
-    weight = tl.load(row_scale_ptr + row, mask=mask, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * weight
-    g = tl.load(gu_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 1:
-        lim = tl.cast(limit, tl.float32)
-        a = tl.cast(alpha, tl.float32)
-        gc = tl.minimum(g, lim)
-        uc = tl.minimum(tl.maximum(u, -lim), lim)
-        s = tl.sigmoid(a * gc)
-        dg = tl.where(g <= lim, dh * (uc + 1.0) * (s + a * gc * s * (1.0 - s)), 0.0)
-        du = tl.where((u >= -lim) & (u <= lim), dh * gc * s, 0.0)
-    else:
-        s = tl.sigmoid(g)
-        dg = dh * u * s * (1.0 + g * (1.0 - s))
-        du = dh * g * s
-    tl.store(gu_ptr + gate_at, dg.to(gu_ptr.dtype.element_ty), mask=mask)
-    tl.store(gu_ptr + up_at, du.to(gu_ptr.dtype.element_ty), mask=mask)
+    # A program owns whole rows, so the router weight's gradient <dH_u, H> of each row is summed here, in registers,
+    # from the H this kernel recomputes anyway, instead of from a second [N, I] pass.
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row < rows
+    weight = tl.load(row_scale_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
+    total = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for c0 in range(0, inter, BLOCK_COLS):
+        col = c0 + tl.arange(0, BLOCK_COLS)
+        mask = row_ok[:, None] & (col < inter)[None, :]
+        base = row[:, None] * row_stride + col[None, :] * step
+        dh_u = tl.load(dh_ptr + row[:, None] * inter + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + base + gate_start, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + base + up_start, mask=mask, other=0.0).to(tl.float32)
+        dh = dh_u * weight[:, None]
+        if ACT == 1:
+            lim = tl.cast(limit, tl.float32)
+            a = tl.cast(alpha, tl.float32)
+            gc = tl.minimum(g, lim)
+            uc = tl.minimum(tl.maximum(u, -lim), lim)
+            s = tl.sigmoid(a * gc)
+            glu = gc * s
+            h = (uc + 1.0) * glu
+            dg = tl.where(g <= lim, dh * (uc + 1.0) * (s + a * gc * s * (1.0 - s)), 0.0)
+            du = tl.where((u >= -lim) & (u <= lim), dh * glu, 0.0)
+        else:
+            s = tl.sigmoid(g)
+            h = g * s * u
+            dg = dh * u * s * (1.0 + g * (1.0 - s))
+            du = dh * g * s
+        if ROWDOT:
+            # H rounded to its dtype, as the reference's H is.
+            total += tl.sum(dh_u * h.to(gu_ptr.dtype.element_ty).to(tl.float32), axis=1)
+        tl.store(gu_ptr + base + gate_start, dg.to(gu_ptr.dtype.element_ty), mask=mask)
+        tl.store(gu_ptr + base + up_start, du.to(gu_ptr.dtype.element_ty), mask=mask)
+    if ROWDOT:
+        tl.store(rowdot_ptr + row, total, mask=row_ok)
 
 
 def layout(gu: torch.Tensor, interleaved: bool) -> tuple[int, int, int, int]:
@@ -128,9 +150,16 @@ def act_forward_reference(gu: torch.Tensor, interleaved: bool, act: int, alpha: 
 
 
 def act_backward_reference_(
-    dh: torch.Tensor, row_scale: torch.Tensor, gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float
-) -> torch.Tensor:
-    """Write ``d GU`` (for ``dH = row_scale · dh``) over ``gu`` in torch; returns ``gu``."""
+    dh: torch.Tensor,
+    row_scale: torch.Tensor,
+    gu: torch.Tensor,
+    interleaved: bool,
+    act: int,
+    alpha: float,
+    limit: float,
+    rowdot: bool = False,
+) -> torch.Tensor | None:
+    """:func:`act_backward_` in torch."""
     gate_view, up_view = _gate_up_views(gu, interleaved)
     g, u = gate_view.float(), up_view.float()
     d = dh.float() * row_scale.float()[:, None]
@@ -138,15 +167,18 @@ def act_backward_reference_(
         gc = g.clamp(max=limit)
         uc = u.clamp(min=-limit, max=limit)
         s = torch.sigmoid(alpha * gc)
+        h = (uc + 1.0) * gc * s
         dg = torch.where(g <= limit, d * (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
         du = torch.where((u >= -limit) & (u <= limit), d * gc * s, 0.0)
     else:
         s = torch.sigmoid(g)
+        h = g * s * u
         dg = d * u * s * (1.0 + g * (1.0 - s))
         du = d * g * s
+    sums = torch.linalg.vecdot(dh.float(), h.to(gu.dtype).float()) if rowdot else None
     gate_view.copy_(dg)
     up_view.copy_(du)
-    return gu
+    return sums
 
 
 def act_forward(gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float) -> torch.Tensor:
@@ -157,27 +189,55 @@ def act_forward(gu: torch.Tensor, interleaved: bool, act: int, alpha: float, lim
     h = dispatch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
     n_elements = h.numel()
     if n_elements:
-        _moe_act_forward_kernel[(triton.cdiv(n_elements, BLOCK),)](
-            gu, h, n_elements, inter, gu.stride(0), step, gate_start, up_start, float(alpha), float(limit),
-            ACT=act, BLOCK=BLOCK,
-        )  # fmt: skip
+        grid = (triton.cdiv(n_elements, BLOCK),)
+        scalars = (n_elements, inter, gu.stride(0), step, gate_start, up_start, float(alpha), float(limit))
+        _moe_act_forward_kernel[grid](gu, h, *scalars, ACT=act, BLOCK=BLOCK)
     return h
 
 
 def act_backward_(
-    dh: torch.Tensor, row_scale: torch.Tensor, gu: torch.Tensor, interleaved: bool, act: int, alpha: float, limit: float
-) -> torch.Tensor:
-    """Write the gate | up gradient for ``dH = row_scale[:, None] · dh`` (``dh [N, I]`` contiguous) over ``gu``."""
+    dh: torch.Tensor,
+    row_scale: torch.Tensor,
+    gu: torch.Tensor,
+    interleaved: bool,
+    act: int,
+    alpha: float,
+    limit: float,
+    rowdot: bool = False,
+) -> torch.Tensor | None:
+    """Write the gate | up gradient for ``dH = row_scale[:, None] · dh`` (``dh [N, I]`` contiguous) over ``gu``.
+
+    Returns:
+        With ``rowdot``, ``<dh[m], H[m]>`` per row as fp32 ``[N]`` (the router weight's gradient before the bias term);
+        else None.
+    """
     if not dispatch.use_triton(gu):
-        return act_backward_reference_(dh, row_scale, gu, interleaved, act, alpha, limit)
+        return act_backward_reference_(dh, row_scale, gu, interleaved, act, alpha, limit, rowdot)
     inter, step, gate_start, up_start = layout(gu, interleaved)
-    n_elements = dh.numel()
-    if n_elements:
-        _moe_act_backward_kernel[(triton.cdiv(n_elements, BLOCK),)](
-            dh, row_scale, gu, n_elements, inter, gu.stride(0), step, gate_start, up_start, float(alpha),
-            float(limit), ACT=act, BLOCK=BLOCK,
-        )  # fmt: skip
-    return gu
+    rows = dh.shape[0]
+    sums = dispatch.empty((rows,), dtype=torch.float32, device=gu.device) if rowdot else None
+    if rows and inter:
+        _moe_act_backward_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+            dh,
+            row_scale,
+            gu,
+            sums if rowdot else row_scale,
+            rows,
+            inter,
+            gu.stride(0),
+            step,
+            gate_start,
+            up_start,
+            float(alpha),
+            float(limit),
+            ACT=act,
+            ROWDOT=rowdot,
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_COLS=BLOCK_COLS,
+        )
+    elif rowdot:
+        sums.zero_()
+    return sums
 
 
 __all__ = [

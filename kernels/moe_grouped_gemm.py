@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastft.kernels import dispatch
+from fastft.kernels import dispatch, targets
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.moe_route import MoERouting, block_table
 
@@ -84,17 +84,25 @@ def _moe_gemm_kernel(
     col_ok = cols < n
     src = tl.load(src_ptr + rows, mask=row_ok, other=0) if GATHER else rows
     # int64 offsets: N · K and E · n · K pass 2**31 for the larger models.
-    x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + src.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_tile = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + cols.to(tl.int64)[None, :] * stride_wn
+        + offs_k.to(tl.int64)[:, None] * stride_wk
+    )
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The tile pointers advance by one K step per iteration instead of being rebuilt from 64-bit offsets: fewer live
+    # registers, which the FMA dot of sm_75 (and fp32 operands anywhere) needs to stay clear of spilling.
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + offs_k
-        k_ok = k_idx < K
-        x = tl.load(x_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k_idx.to(tl.int64)[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = k0 + offs_k < K
+        x = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K * stride_wk
 
     if HAS_LORA:
         # This expert's s · (X A_eᵀ) B_eᵀ for the tile, added while the accumulator is in registers.
@@ -137,11 +145,17 @@ class Tiles:
     num_stages: int
 
 
-def tiles(device: torch.device) -> Tiles:
-    """The tiles for a device. One setting that compiles for every target without spilling: ``tl.dot`` has no tensor
-    cores on sm_75 (FMA), where large tiles would spill; the interpreter gets small row blocks (fewer wasted rows)."""
+def tiles(device: torch.device, dtype: torch.dtype) -> Tiles:
+    """The tiles for a device and operand dtype, each checked free of spills on its targets by the static compile
+    check: 64 × 64 for 16-bit tensor-core dots; 32 × 32 where the dot has no tensor cores (sm_75, FMA, also a shorter K
+    step) or takes fp32 operands in IEEE mode, whose accumulator and operand tiles would otherwise spill. The
+    interpreter gets small row blocks (fewer wasted rows per expert)."""
     if device.type == "cpu":
         return Tiles(16, 32, 32, 4, 1)
+    if targets.capability(device) < 80:
+        return Tiles(32, 32, 16, 4, 2)
+    if dtype == torch.float32:
+        return Tiles(32, 32, 32, 4, 2)
     return Tiles(64, 64, 32, 4, 2)
 
 
@@ -168,7 +182,7 @@ def grouped_gemm_triton(
     out = dispatch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    config = tiles(x.device)
+    config = tiles(x.device, x.dtype)
     block_expert, block_start = block_table(routing, config.block_m)
     if x.stride(-1) != 1:
         x = x.contiguous()

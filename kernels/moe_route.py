@@ -15,7 +15,7 @@ without reading the counts back; slots past the real blocks hold expert ``-1`` a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,8 @@ class MoERouting:
     expert: torch.Tensor
     inverse: torch.Tensor
     offsets: torch.Tensor
+    # block_m -> block_table's result: every grouped launch of one call with the same row block shares it.
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -119,7 +121,8 @@ def route(top_k_index: torch.Tensor, num_experts: int, where: str = "moe_route")
     """
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
-    if flat.numel():
+    # meta tensors (the static compile check) hold no indices to check.
+    if flat.numel() and not flat.is_meta:
         low, high = torch.aminmax(flat)
         low, high = int(low), int(high)
         if low < 0 or high >= num_experts:
@@ -154,6 +157,9 @@ def block_table(routing: MoERouting, block_m: int) -> tuple[torch.Tensor, torch.
     Block ``b`` covers the sorted rows ``block_start[b] : min(block_start[b] + block_m, offsets[e + 1])`` of expert
     ``e = block_expert[b]``; ``-1`` marks the unused slots at the end.
     """
+    cached = routing.tables.get(block_m)
+    if cached is not None:
+        return cached
     offsets = routing.offsets
     counts = offsets[1:] - offsets[:-1]
     blocks = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
@@ -166,6 +172,7 @@ def block_table(routing: MoERouting, block_m: int) -> tuple[torch.Tensor, torch.
     start = offsets[clamped] + (slots - first_block) * block_m
     block_expert = torch.where(used, expert, -1).to(torch.int32)
     block_start = torch.where(used, start, 0).to(torch.int32)
+    routing.tables[block_m] = (block_expert, block_start)
     return block_expert, block_start
 
 
