@@ -104,7 +104,7 @@ def test_equals_transformers_and_peft_and_keeps_under_half_the_bytes(kernel_path
     activations = [t for t in fused_saved if t.untyped_storage().data_ptr() not in adapter_storages]
     assert len(activations) == len(fused_saved) - 4
     assert max(t.numel() for t in activations) == T * K * 2 * I < T * E * I
-    # Measured here: 65,144 bytes fused against 247,488 (eager) / 241,008 (grouped_mm) stock, about 0.27x.
+    # Measured at these shapes: 78,472 bytes fused against 310,976 (eager) / 304,512 (grouped_mm) stock, 0.25x.
     fused_bytes, stock_bytes = _nbytes(fused_saved), _nbytes(stock_saved)
     assert fused_bytes <= 0.5 * stock_bytes, (fused_bytes, stock_bytes)
 
