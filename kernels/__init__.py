@@ -30,11 +30,15 @@ through the interpreter when ``TRITON_INTERPRET=1`` was set before import).
 ``LoRAGroup``                   one to three projections of the same input, checked once and applied per call
                                 (``group(x)`` returns one output per projection): what a patch holds per layer.
 ``LoRAMLP(gate_up, down, act)`` the fused LoRA-MLP over two :class:`LoRAGroup` s, checked once.
+``LoRAMoEExperts``              a mixture-of-experts layer's experts ``(gate_up [E, 2I, H], down [E, H, I])`` with
+                                per-expert LoRA and biases, SwiGLU or gpt-oss's clamped one, checked once; called with
+                                ``(x, top_k_index, top_k_weights)``: grouped GEMMs over the expert-sorted tokens.
+``lora_moe_experts``            the same as a function (builds a :class:`LoRAMoEExperts` per call).
 ==============================  ==============================================================================
 
-The LoRA groups and the MLP are also the custom ops ``fastft::lora_group`` / ``fastft::lora_mlp`` (with their
-``_backward`` ops), which they call while ``torch.compile`` traces them; eager calls take the cheaper
-``autograd.Function``.
+The LoRA groups, the MLP and the MoE experts are also the custom ops ``fastft::lora_group`` / ``fastft::lora_mlp`` /
+``fastft::lora_moe_experts`` (with their ``_backward`` ops), which they call while ``torch.compile`` traces them;
+eager calls take the cheaper ``autograd.Function``.
 """
 
 from fastft.kernels.cross_entropy import (
@@ -52,6 +56,7 @@ from fastft.kernels.linear_logprobs import (
 )
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_mlp import LoRAMLP, LoRAMLPFunction, lora_gate_up_mlp, lora_mlp
+from fastft.kernels.lora_moe_experts import LoRAMoEExperts, LoRAMoEExpertsFunction, lora_moe_experts
 from fastft.kernels.lora_o import LoRAOFunction, lora_o
 from fastft.kernels.lora_packed_qkv import LoRAPackedQKVFunction, lora_packed_qkv
 from fastft.kernels.lora_projection import LoRAWeights, release_buffers
@@ -67,6 +72,8 @@ __all__ = [
     "FusedLinearLogProbsFunction",
     "GeGLUFunction",
     "LoRAMLPFunction",
+    "LoRAMoEExperts",
+    "LoRAMoEExpertsFunction",
     "LoRAOFunction",
     "LoRAPackedQKVFunction",
     "LoRAQKVFunction",
@@ -91,6 +98,7 @@ __all__ = [
     "linear_logprobs_reference",
     "lora_gate_up_mlp",
     "lora_mlp",
+    "lora_moe_experts",
     "lora_o",
     "lora_packed_qkv",
     "lora_qkv",

@@ -184,6 +184,35 @@ def others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[],
         weight = _nf4_weight(model.intermediate, model.hidden, dtype)
         dequantize_nf4(weight.weight, weight.quant_state, dtype=dtype)
 
+    def moe(gpt_oss: bool) -> Callable[[], None]:
+        # The model's widths as 8 experts with top-2 routing and rank-16 adapters on each expert. gpt-oss's layout
+        # is the transposed storage passed as views (strided weights), with biases and interleaved gate / up.
+        def run() -> None:
+            from fastft.kernels.lora_moe_experts import LoRAMoEExperts
+
+            experts, top_k, rank, hidden, inter = 8, 2, 16, model.hidden, model.intermediate
+            if gpt_oss:
+                gate_up = _meta((experts, hidden, 2 * inter), dtype).transpose(1, 2)
+                down = _meta((experts, inter, hidden), dtype).transpose(1, 2)
+                biases = (_meta((experts, 2 * inter), dtype), _meta((experts, hidden), dtype))
+            else:
+                gate_up, down = _meta((experts, 2 * inter, hidden), dtype), _meta((experts, hidden, inter), dtype)
+                biases = (None, None)
+            a1, b1 = _meta((experts, rank, hidden), dtype, True), _meta((experts, 2 * inter, rank), dtype, True)
+            a2, b2 = _meta((experts, rank, inter), dtype, True), _meta((experts, hidden, rank), dtype, True)
+            layer = LoRAMoEExperts(
+                LoRAWeights(gate_up, a1, b1, 2.0, bias=biases[0]),
+                LoRAWeights(down, a2, b2, 2.0, bias=biases[1]),
+                "gpt_oss" if gpt_oss else "silu",
+                interleaved=gpt_oss,
+            )
+            x = _meta((TOKENS, hidden), dtype, True)
+            weights = _meta((TOKENS, top_k), dtype, True)
+            out = layer(x, _meta((TOKENS, top_k), torch.int64), weights)
+            _backward(out, [x, weights, a1, b1, a2, b2])
+
+        return run
+
     yield from (
         ("rms_norm", norm),
         ("rms_norm gemma", norm_gemma),
@@ -206,6 +235,8 @@ def others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[],
             ),
         ),
         ("dequantize_nf4", nf4),
+        ("lora_moe_experts", moe(False)),
+        ("lora_moe_experts gpt_oss", moe(True)),
     )
 
 
