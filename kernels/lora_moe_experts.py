@@ -119,8 +119,18 @@ class LoRAMoEExperts:
             f"{self.config.activation}{', interleaved' if self.config.interleaved else ''})"
         )
 
-    def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        adapters: tuple[torch.Tensor | None, ...] | None = None,
+    ) -> torch.Tensor:
         """Apply the experts to ``x [..., H]`` (``T`` tokens) routed by ``top_k_index`` / ``top_k_weights [T, k]``.
+
+        ``adapters``: ``(A_gate_up, B_gate_up, A_down, B_down)`` for this call in place of the ones checked at
+        construction, of the same shapes: a patch passes fresh views of peft's stacked parameters each call, so a
+        parameter whose data was swapped (``model.to(...)``) is read as it is now.
 
         Returns:
             ``[..., H]``: every token's router-weighted sum of its experts' outputs, in x's dtype.
@@ -134,11 +144,13 @@ class LoRAMoEExperts:
         dtype = autocast_dtype(x)
         if dtype is not None:
             with autocast_off(x):
-                return self(x.to(dtype), top_k_index, top_k_weights)
+                return self(x.to(dtype), top_k_index, top_k_weights, adapters)
         self._check_call(x, top_k_index, top_k_weights)
+        if adapters is None:
+            adapters = self.adapters
         if compiling():
-            return lora_moe_math.op(x, top_k_index, top_k_weights, **self.op_arguments())[0]
-        return _apply(x, top_k_index, top_k_weights, self, *self.adapters)
+            return lora_moe_math.op(x, top_k_index, top_k_weights, **self.op_arguments(adapters))[0]
+        return _apply(x, top_k_index, top_k_weights, self, *adapters)
 
     def _check_call(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         if x.dtype not in FLOAT_DTYPES:
@@ -164,15 +176,17 @@ class LoRAMoEExperts:
                         "(requires_grad_(False)) for LoRA, or run the experts' own forward to train it."
                     )
 
-    def op_arguments(self) -> dict[str, Any]:
-        """The custom op ``fastft::lora_moe_experts``'s arguments after ``(x, top_k_index, top_k_weights)``."""
+    def op_arguments(self, adapters: tuple[torch.Tensor | None, ...] | None = None) -> dict[str, Any]:
+        """The custom op ``fastft::lora_moe_experts``'s arguments after ``(x, top_k_index, top_k_weights)``
+        (``adapters``: as for a call)."""
         gate_up, down, config = self.gate_up, self.down, self.config
         has = (gate_up.lora_a is not None, down.lora_a is not None)
+        a1, b1, a2, b2 = self.adapters if adapters is None else adapters
         return {
             "gate_up_proj": gate_up.weight,
             "down_proj": down.weight,
-            "lora_a": [p.lora_a for p, h in zip((gate_up, down), has, strict=True) if h],
-            "lora_b": [p.lora_b for p, h in zip((gate_up, down), has, strict=True) if h],
+            "lora_a": [a for a, h in zip((a1, a2), has, strict=True) if h],
+            "lora_b": [b for b, h in zip((b1, b2), has, strict=True) if h],
             "biases": [b for b in (gate_up.bias, down.bias) if b is not None],
             "layout": [*has, gate_up.bias is not None, down.bias is not None, config.interleaved],
             "scales": [config.gate_up_scale, config.down_scale],

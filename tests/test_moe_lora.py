@@ -202,7 +202,7 @@ def _stock(folder, targets, parameters):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
     options = dict(r=4, lora_alpha=8, target_modules=list(targets))
     if parameters:
         options["target_parameters"] = list(parameters)
@@ -244,6 +244,34 @@ def test_attention_norms_and_loss_take_the_fused_path(moe_dir):
     assert {f"{family}.rms_norm", f"{family}.attention", f"{family}.causal_lm_loss"} <= applied
 
 
+def test_experts_take_the_fused_grouped_path_on_the_fused_layout(moe_dir, monkeypatch):
+    from fastft.patches import moe_experts
+    from fastft.registry import patch_report
+
+    calls = []
+    original = moe_experts._Fused.__call__
+    monkeypatch.setattr(moe_experts._Fused, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    ids = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    row = next(r for r in patch_report(model) if r["name"] == f"{model.config.model_type}.experts")
+    if _layout() == "fused":
+        assert row["status"] == "applied" and not row.get("fallbacks")
+        assert len(calls) == 2  # one per sparse block
+    else:
+        assert row["status"] == "not applicable" and "one module per expert" in row["reason"]
+        assert not calls
+
+
+@pytest.mark.skipif(_layout() != "fused", reason="peft's LoRA on 3-D parameters exists for 5.x's layout only")
+def test_lora_dropout_on_fused_experts_is_refused_before_any_change(moe_dir):
+    model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 cannot apply to the experts' 3-D parameters"):
+        FastModel.get_peft_model(model, r=4, lora_alpha=8, lora_dropout=0.1)
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
 def test_an_explicit_target_list_adapts_only_what_it_names(moe_dir):
     model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -259,7 +287,7 @@ def test_saved_adapter_loads_in_plain_peft(moe_dir, tmp_path):
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     randomize_lora_b(model)
     model.save_pretrained(tmp_path)
-    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32), tmp_path)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(moe_dir)), tmp_path)
     ids = torch.randint(4, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
     model.eval()
     with torch.no_grad():
@@ -280,3 +308,24 @@ def test_an_adapter_for_the_other_layout_is_refused_by_name(moe_dir, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ShapeContractError, match=r"expert weights are for the .* layout \(e\.g\. '.*experts\."):
         FastModel.load_adapter(model, tmp_path)
+
+
+def test_merge_plan_adds_every_experts_update_as_peft_merges_it(moe_dir):
+    import copy
+
+    from fastft.export.merge import merged_state_dict
+
+    model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    randomize_lora_b(model)
+    ours = merged_state_dict(model, torch.float32)
+    theirs = copy.deepcopy(model).merge_and_unload().state_dict()
+    experts = [name for name in theirs if ".experts." in name]
+    assert experts and set(experts) <= set(ours)
+    for name in experts:
+        assert torch.allclose(ours[name], theirs[name], atol=1e-6), name
+    # The update is really there: the merged experts differ from the base ones.
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(moe_dir)).state_dict()
+    assert any(not torch.equal(ours[name], base[name]) for name in experts)

@@ -116,6 +116,8 @@ class MergedTensor:
     _base: Callable[[], torch.Tensor] = field(repr=False)
     _lora: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list, repr=False)
     _fan_in_fan_out: bool = field(default=False, repr=False)
+    # Per-expert updates of a 3-D [E, ...] tensor (peft's LoRA on parameters): (A, B, scale, transposed).
+    _expert_lora: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=list, repr=False)
 
     @property
     def numel(self) -> int:
@@ -154,6 +156,9 @@ class MergedTensor:
                 rows = torch.addmm(rows, a[:, start:stop].T, b.T, alpha=scale)
             else:
                 rows = torch.addmm(rows, b[start:stop], a, alpha=scale)
+        for lora_a, lora_b, scale, transposed in self._expert_lora:
+            update = _expert_update(lora_a, lora_b, self.shape[0], start, stop, transposed)
+            rows = rows + scale * update.to(rows.device)
         rows = rows.cpu()
         expected = self.shape if whole else (stop - start, *self.shape[1:])
         if tuple(rows.shape) != tuple(expected):
@@ -163,6 +168,21 @@ class MergedTensor:
                 "changed shape after the model was loaded."
             )
         return rows
+
+
+def _expert_update(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, start: int, stop: int, transposed: bool
+) -> torch.Tensor:
+    """``B_e @ A_e`` of experts ``start:stop`` (float32), from peft's stacked factors of a 3-D parameter.
+
+    peft keeps ``lora_A.weight [r·E, in]`` (expert e's A in rows ``e·r .. (e+1)·r``) and ``lora_B.weight [out, r·E]``
+    (expert e's B in columns ``j·E + e``); ``transposed``: the parameter stores each expert as ``[in, out]``.
+    """
+    rank = lora_a.shape[0] // experts
+    a = lora_a.detach().float().view(experts, rank, lora_a.shape[1])[start:stop]
+    b = lora_b.detach().float().view(lora_b.shape[0], rank, experts).permute(2, 0, 1)[start:stop]
+    update = torch.bmm(b, a)
+    return update.transpose(1, 2) if transposed else update
 
 
 @dataclass
@@ -220,7 +240,10 @@ def merge_plan(model: torch.nn.Module) -> MergePlan:
         if any(name.startswith(prefix) for prefix in handled):
             continue
         prefix = f"{name}." if name else ""
-        if isinstance(module, LoraLayer):
+        if isinstance(module, LoraLayer) and getattr(module, "parameter_name", None) is not None:
+            tensors += _parameter_wrapped(name, prefix, module)
+            handled.append(prefix)
+        elif isinstance(module, LoraLayer):
             base_layer = module.get_base_layer()
             weight = base_layer.weight
             entry = _plain(f"{prefix}weight", weight, parameter=True)
@@ -249,6 +272,31 @@ def merge_plan(model: torch.nn.Module) -> MergePlan:
                 if key not in module._non_persistent_buffers_set:
                     tensors.append(_plain(f"{prefix}{key}", buffer, parameter=False))
     return MergePlan(tensors, untied=_untied(base, {tensor.name for tensor in tensors}))
+
+
+def _parameter_wrapped(name: str, prefix: str, module: LoraLayer) -> list[MergedTensor]:
+    """The tensors of a module under peft's LoRA on parameters (``ParamWrapper``, one per targeted parameter,
+    nested): its own parameters and buffers, each targeted one with its per-expert updates."""
+    updates: dict[str, list[tuple[torch.Tensor, torch.Tensor, float, bool]]] = {}
+    layer: torch.nn.Module = module
+    while isinstance(layer, LoraLayer) and getattr(layer, "parameter_name", None) is not None:
+        parameter = layer.get_param()
+        for lora_a, lora_b, scale in _active_lora(name, layer):
+            if parameter.dim() != 3:
+                raise NotImplementedError(
+                    f"{name}.{layer.parameter_name}: merging peft's LoRA on a {parameter.dim()}-D parameter is not "
+                    "supported (3-D expert stacks are)."
+                )
+            # peft swaps in / out for a 3-D parameter unless its module says it stores experts transposed.
+            transposed = not getattr(layer, "_did_swap_in_out_features", False)
+            updates.setdefault(layer.parameter_name, []).append((lora_a, lora_b, scale, transposed))
+        layer = layer.base_layer
+    entries = []
+    for key, tensor in layer.state_dict(keep_vars=True).items():
+        entry = _plain(f"{prefix}{key}", tensor, parameter=isinstance(tensor, torch.nn.Parameter))
+        entry._expert_lora = updates.get(key, [])
+        entries.append(entry)
+    return entries
 
 
 def _untied(base: torch.nn.Module, names: set[str]) -> bool:

@@ -246,6 +246,14 @@ def get_peft_model(
         wanted = [n for n in experts.parameters if not (explicit and n.split(".")[0] not in _ROUTERS)]
         if wanted and "target_parameters" not in lora_kwargs:
             lora_kwargs["target_parameters"] = wanted
+        if lora_kwargs.get("target_parameters") and lora_dropout:
+            # peft raises this itself, but only after it has wrapped some of the model's layers.
+            raise ValueError(
+                f"fastft.get_peft_model: lora_dropout={lora_dropout} cannot apply to the experts' 3-D parameters "
+                f"({', '.join(lora_kwargs['target_parameters'])}): peft's LoRA on parameters takes no dropout. Use "
+                "lora_dropout=0.0, or target_modules=[...] for the attention alone. The model was left without "
+                "adapters."
+            )
     available = linear_leaf_names(model)
     if not targets:
         raise ValueError(

@@ -33,8 +33,10 @@ from fastft.patches.decoder import (
     VersionRange,
     attention_forward,
     gated_mlp_forward,
+    model_type_only,
     register_family,
     rms_norm_forward,
+    swap_class,
 )
 from fastft.patches.llama import (
     ATTENTION_5,
@@ -43,7 +45,9 @@ from fastft.patches.llama import (
     _config_window,
     renamed_cache,
 )
+from fastft.patches.moe_experts import experts_reason, experts_runner
 from fastft.patches.qwen import _layer_window
+from fastft.registry import PatchRecord, register
 
 logger = logging.getLogger("fastft.model")
 _WARNED: list[bool] = []
@@ -92,6 +96,33 @@ def moe_causal_lm_forward(upstream_class: type) -> Callable[..., Any]:
         f"``{upstream_class.__name__}.forward`` with the fused loss (upstream's when router logits are on)."
     )
     return forward
+
+
+def sparse_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers 5.x's sparse MoE block (Qwen3-MoE, Mixtral) with its experts on the fused grouped-expert path
+    where :mod:`fastft.patches.moe_experts` can serve them; the router runs as upstream's."""
+    batch, seq, hidden = hidden_states.shape
+    jitter = getattr(self, "jitter_noise", 0)
+    if self.training and jitter > 0:
+        # Mixtral's router jitter, drawn and applied as upstream does.
+        hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
+    flat = hidden_states.view(-1, hidden)
+    _, weights, index = self.gate(flat)
+    run = experts_runner(self)
+    out = self.experts(flat, index, weights) if run is None else run(flat, index, weights)
+    return out.reshape(batch, seq, hidden)
+
+
+class FastQwen3MoeSparseMoeBlock(qwen3_moe.Qwen3MoeSparseMoeBlock):
+    """``Qwen3MoeSparseMoeBlock`` with its experts as one fused grouped-expert LoRA node (transformers 5.x)."""
+
+    forward = sparse_block_forward
+
+
+class FastMixtralSparseMoeBlock(mixtral.MixtralSparseMoeBlock):
+    """``MixtralSparseMoeBlock`` with its experts as one fused grouped-expert LoRA node (transformers 5.x)."""
+
+    forward = sparse_block_forward
 
 
 class FastQwen3MoeRMSNorm(qwen3_moe.Qwen3MoeRMSNorm):
@@ -170,3 +201,55 @@ register_family(
 register_family(
     MIXTRAL, FastClasses(FastMixtralRMSNorm, FastMixtralAttention, None, FastMixtralForCausalLM), moe_ranges()
 )
+
+
+def _fused_experts_only(family: Family) -> Callable[[torch.nn.Module], str | None]:
+    family_only = model_type_only(family.model_type)
+
+    def applies_to(model: torch.nn.Module) -> str | None:
+        reason = family_only(model)
+        if reason:
+            return reason
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__) < Version("5"):
+            return (
+                "transformers 4.x keeps one module per expert: upstream's experts run, with peft's LoRA on each "
+                "expert's projections"
+            )
+        return None
+
+    return applies_to
+
+
+def _experts_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, str]]:
+    def fallbacks(model: torch.nn.Module) -> dict[str, str]:
+        found = {}
+        for name, module in model.named_modules():
+            if type(module) is fast_class:
+                reason = experts_reason(module, name)
+                if reason:
+                    found[f"{name}.experts"] = reason
+        return found
+
+    return fallbacks
+
+
+# transformers 5.x's sparse blocks; the 4.x records say why they do not apply (per-expert modules).
+for _family, _fast in ((QWEN3_MOE, FastQwen3MoeSparseMoeBlock), (MIXTRAL, FastMixtralSparseMoeBlock)):
+    _upstream = _family.upstream_class("SparseMoeBlock")
+    for _versions in (">=4.53.3,<4.56", ">=4.56,<4.58", ">=5.5.4,<5.24", ">=5.24,<5.25"):
+        register(
+            PatchRecord(
+                name=f"{_family.name}.experts",
+                target=f"{_family.upstream.__name__}.{_upstream.__name__}.forward",
+                versions={"transformers": _versions},
+                fingerprint="(self, hidden_states)",
+                applies_to=_fused_experts_only(_family),
+                apply=swap_class(_upstream, _fast),
+                replacement=_fast,
+                fallbacks=_experts_fallbacks(_fast),
+                model_types=(_family.model_type,),
+            )
+        )
