@@ -329,3 +329,52 @@ def test_merge_plan_adds_every_experts_update_as_peft_merges_it(moe_dir):
 
     base = AutoModelForCausalLM.from_pretrained(str(moe_dir)).state_dict()
     assert any(not torch.equal(ours[name], base[name]) for name in experts)
+
+
+def test_merged_save_reloads_in_plain_transformers_and_matches(moe_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    randomize_lora_b(model, std=0.2)
+    FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    ids = torch.randint(4, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    model.eval()
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids).logits, merged(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(moe_dir))(input_ids=ids).logits
+    assert relative_error(theirs, ours) <= 1e-5
+    assert relative_error(base, ours) > 1e-3  # the adapters, experts' included, changed the model
+
+
+def test_load_in_4bit_with_fused_experts_is_refused_by_name(moe_dir):
+    if _layout() == "per-expert":
+        # transformers 4.x: each expert is a Linear, which bitsandbytes quantises like any other.
+        model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, load_in_4bit=True)
+        expert = next(moe_blocks(model)).experts[0]
+        assert all(type(child).__name__ == "Linear4bit" for child in expert.children() if hasattr(child, "weight"))
+        return
+    with pytest.raises(ValueError, match=r"load_in_4bit=True .* stores the experts as 3-D parameters"):
+        FastModel.from_pretrained(str(moe_dir), max_seq_length=64, load_in_4bit=True)
+
+
+def test_sft_trainer_trains_attention_and_experts(moe_dir, word_tokenizer, tmp_path):
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from fastft.training.trl import sft_config
+
+    model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = [" ".join(["word"] * 12 + [str(i % 10)]) for i in range(8)]
+    args = sft_config(str(tmp_path / "out"), torch.float32, 64, max_steps=2, per_device_train_batch_size=4)
+    args.learning_rate = 1e-2
+    trainer = SFTTrainer(
+        model=model, processing_class=word_tokenizer, train_dataset=Dataset.from_dict({"text": rows}), args=args
+    )
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    changed = {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p.detach(), before[n])}
+    assert any(".experts." in n for n in changed) and any(".self_attn." in n for n in changed)

@@ -138,6 +138,10 @@ class MergedTensor:
         for start in range(0, self.shape[0], step):
             yield self._rows(base, start, min(start + step, self.shape[0]), whole=False)
 
+    def expert(self, index: int) -> torch.Tensor:
+        """Expert ``index``'s merged ``[out, in]`` matrix of a 3-D ``[E, out, in]`` tensor (float32, on the CPU)."""
+        return self._rows(self._base(), index, index + 1, whole=False)[0]
+
     def whole(self) -> torch.Tensor:
         """The whole merged tensor (float32 when floating), on the CPU."""
         blocks = list(self.chunks(max(1, self.numel)))

@@ -20,9 +20,10 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from fastft.export.expert_split import split_experts
 from fastft.export.file_modes import as_if_created
-from fastft.export.merge import MergedTensor, MergePlan, merge_plan
-from fastft.export.shards import WEIGHTS_NAME, parse_shard_size, plan_shards, write_index, write_shard
+from fastft.export.merge import MergePlan, merge_plan
+from fastft.export.shards import WEIGHTS_NAME, Producer, parse_shard_size, plan_shards, write_index, write_shard
 from fastft.loading.dtypes import DTYPES
 from fastft.patches.causal_lm import unpatched_class
 
@@ -125,7 +126,7 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
     return config
 
 
-def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[MergedTensor]:
+def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
     """The plan's tensors in the order transformers' ``save_pretrained`` would write them.
 
     transformers 5 passes the state dict through its weight-conversion reversal before sharding (which also sorts
@@ -140,13 +141,17 @@ def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[MergedTensor]:
     by_name = {tensor.name: tensor for tensor in plan.tensors}
     shapes = {name: torch.empty(tensor.shape, device="meta") for name, tensor in by_name.items()}
     reverted = revert_weight_conversion(base, dict(shapes))
-    if set(reverted) != set(shapes):
+    if set(reverted) == set(shapes):
+        return [by_name[name] for name in reverted]
+    # transformers 5 saves fused MoE experts one tensor per expert: slices of the merged fused tensors.
+    split = split_experts(by_name, reverted)
+    if split is None:
         raise NotImplementedError(
             f"fastft.save_merged: {type(base).__name__} stores its weights on disk under other names or in another "
             "layout than in memory (transformers' weight conversion), which the streaming merge does not write yet. "
             "Merge with peft instead: model.merge_and_unload().save_pretrained(folder)."
         )
-    return [by_name[name] for name in reverted]
+    return split
 
 
 def save_merged(

@@ -47,6 +47,33 @@ TASKS = {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModel
 _SHARED_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only")
 
 
+def refuse_4bit_experts(config: Any, source: str) -> None:
+    """Refuse ``load_in_4bit`` for a mixture-of-experts model whose experts transformers stores as 3-D parameters.
+
+    bitsandbytes quantises ``nn.Linear`` layers; transformers 5.x holds every expert of a block in two 3-D parameters,
+    which would stay 16-bit while the rest became 4-bit: most of an MoE model's weights, and the memory the user
+    asked 4-bit for. Refused before anything is loaded.
+
+    Raises:
+        ValueError: ``config`` describes an MoE model and the installed transformers is 5.x.
+    """
+    import transformers
+    from packaging.version import Version
+
+    from fastft.contracts.moe import moe_shape
+
+    shape = moe_shape(getattr(config, "text_config", None) or config)
+    if shape is None or Version(transformers.__version__) < Version("5"):
+        return
+    raise ValueError(
+        f"fastft.from_pretrained: load_in_4bit=True for {source} ({getattr(config, 'model_type', '?')}, "
+        f"{shape.experts} experts): transformers {transformers.__version__} stores the experts as 3-D parameters, "
+        "which bitsandbytes' 4-bit loading does not quantise, so most of the weights would stay 16-bit. 4-bit "
+        "experts are not supported yet: load with load_in_4bit=False (the attention and experts in 16 bit, LoRA on "
+        "both), or with transformers 4.x, where each expert is a module that bitsandbytes quantises."
+    )
+
+
 def _config_before_loading(source: str, hf_kwargs: dict[str, Any]) -> Any:
     config = hf_kwargs.get("config")
     if config is not None and not isinstance(config, (str, os.PathLike)):
@@ -189,6 +216,8 @@ def from_pretrained(
             raise
         raise hub_fetch_error("model_name", source, error, tokenizer_kwargs) from error
     check_config(config, source=source)
+    if load_in_4bit:
+        refuse_4bit_experts(config, source)
     max_seq_length = resolve_max_seq_length(max_seq_length, config, source)
     tokenizer_source = source if tokenizer_name is None else tokenizer_name
     if Path(tokenizer_source).is_dir() and not has_tokenizer(Path(tokenizer_source)):
