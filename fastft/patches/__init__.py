@@ -14,6 +14,7 @@ BUILTIN = (
     "fastft.patches.gemma",
     "fastft.patches.phi3",
     "fastft.patches.moe",
+    "fastft.patches.gpt_oss",
     "fastft.patches.generic",
     "fastft.patches.trl_logprobs",
     "fastft.checkpointing.modes",

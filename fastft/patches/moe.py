@@ -203,7 +203,8 @@ register_family(
 )
 
 
-def _fused_experts_only(family: Family) -> Callable[[torch.nn.Module], str | None]:
+def experts_only_on_5(family: Family) -> Callable[[torch.nn.Module], str | None]:
+    """A sparse-block record's ``applies_to``: the family's models on transformers 5.x."""
     family_only = model_type_only(family.model_type)
 
     def applies_to(model: torch.nn.Module) -> str | None:
@@ -223,7 +224,9 @@ def _fused_experts_only(family: Family) -> Callable[[torch.nn.Module], str | Non
     return applies_to
 
 
-def _experts_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, str]]:
+def experts_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, str]]:
+    """A sparse-block record's ``fallbacks``: each patched block whose experts run upstream's way, and why."""
+
     def fallbacks(model: torch.nn.Module) -> dict[str, str]:
         found = {}
         for name, module in model.named_modules():
@@ -246,10 +249,10 @@ for _family, _fast in ((QWEN3_MOE, FastQwen3MoeSparseMoeBlock), (MIXTRAL, FastMi
                 target=f"{_family.upstream.__name__}.{_upstream.__name__}.forward",
                 versions={"transformers": _versions},
                 fingerprint="(self, hidden_states)",
-                applies_to=_fused_experts_only(_family),
+                applies_to=experts_only_on_5(_family),
                 apply=swap_class(_upstream, _fast),
                 replacement=_fast,
-                fallbacks=_experts_fallbacks(_fast),
+                fallbacks=experts_fallbacks(_fast),
                 model_types=(_family.model_type,),
             )
         )

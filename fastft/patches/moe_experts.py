@@ -14,7 +14,8 @@ peft keeps the E adapters of a wrapper stacked: ``lora_A.weight [r·E, in]`` is 
 What runs is decided once per block and kept in a :mod:`plan <fastft.patches.plans>` until the stamp changes (an
 adapter switched, disabled or merged, a hook added, a parameter swapped, grad mode). Anything the kernels cannot do
 runs upstream's experts through peft instead, and ``patch_report`` names the block and why: 4-bit experts, another
-activation, LoRA dropout, DoRA, several adapters, hooks on the experts.
+activation, LoRA dropout, DoRA, several adapters, hooks on the experts. gpt-oss's experts (stored ``[in, out]``,
+gate and up interleaved, with biases and a clamped SwiGLU) go to the kernel as transposed views.
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ class _Fused:
 
 
 def _activation(experts: torch.nn.Module) -> str | None:
-    # The experts module's own activation (its config's hidden_act, through ACT2FN): silu is SwiGLU.
+    # The experts module's own activation: its config's hidden_act through ACT2FN (silu is SwiGLU), or gpt-oss's
+    # clamped SwiGLU, which its experts compute themselves from alpha and limit.
+    if type(experts).__name__ == "GptOssExperts":
+        return "gpt_oss"
     act = getattr(experts, "act_fn", None)
     if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
         return "silu"
@@ -150,30 +154,37 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
         return f"{name}.experts: activation {act} has no fused grouped-expert kernel (fused: SiLU)"
     if _hooked(base):
         return f"{name}.experts has forward hooks the fused path would bypass"
-    if getattr(base, "is_transposed", False) or getattr(base, "has_bias", False):
-        return f"{name}.experts: transposed or biased experts (gpt-oss) are not wired to the fused path yet"
     weights = [base._parameters.get(role) for role in _ROLES]
     if any(w is None or w.dim() != 3 for w in weights):
         return f"{name}.experts holds no 3-D {' / '.join(_ROLES)} (quantised or another layout)"
-    if any(w.requires_grad for w in weights):
-        return f"{name}.experts: trainable expert weights (full fine-tuning) need the experts' own forward"
+    biases = [base._parameters.get(f"{role}_bias") for role in _ROLES]
+    if any(t is not None and t.requires_grad for t in (*weights, *biases)):
+        return f"{name}.experts: trainable expert weights or biases (full fine-tuning) need the experts' own forward"
+    # gpt-oss stores each expert [in, out] and interleaves gate and up: the kernels take [out, in] views.
+    transposed = bool(getattr(base, "is_transposed", False))
+    interleaved = getattr(base, "is_concatenated", True) is False
     projections, adapters = [], []
-    for role, weight in zip(_ROLES, weights, strict=True):
+    for role, weight, bias in zip(_ROLES, weights, biases, strict=True):
+        if transposed:
+            weight = weight.transpose(1, 2)
         wrapper = wrappers.get(role)
         adapter = None if wrapper is None else _adapter(wrapper, f"{name}.experts.{role}")
         if isinstance(adapter, str):
             return adapter
         if adapter is None:
-            projections.append(LoRAWeights(weight))
+            projections.append(LoRAWeights(weight, bias=bias))
             adapters.append((None, None))
             continue
         a, b, scale = adapter
         e = weight.shape[0]
         rank = a.shape[0] // e
         view_a, view_b = a.view(e, rank, a.shape[1]), b.view(b.shape[0], rank, e).permute(2, 0, 1)
-        projections.append(LoRAWeights(weight, view_a, view_b, scale))
+        projections.append(LoRAWeights(weight, view_a, view_b, scale, bias=bias))
         adapters.append((a, b))
-    kernel = LoRAMoEExperts(projections[0], projections[1], activation, name=f"{name}.experts")
+    options = {"interleaved": interleaved, "name": f"{name}.experts"}
+    if activation == "gpt_oss":
+        options.update(alpha=float(base.alpha), limit=float(base.limit))
+    kernel = LoRAMoEExperts(projections[0], projections[1], activation, **options)
     return _Fused(kernel, tuple(adapters), (weights[0].shape[0],))
 
 

@@ -1,0 +1,116 @@
+"""gpt-oss: its norms, experts and loss on the fused path; its attention as upstream's.
+
+- RMSNorm: gpt-oss multiplies by the weight in fp32 before casting back (Llama casts first), the fused kernel's
+  ``cast_before_weight=False`` variant.
+- Experts (transformers 5.x): stored transposed (``gate_up_proj [E, H, 2·I]``, ``down_proj [E, I, H]``) with gate and
+  up interleaved column by column, biases on both, and a clamped SwiGLU (``(clamp(up) + 1) · g · sigmoid(α · g)``,
+  ``g = min(gate, limit)``); :mod:`fastft.patches.moe_experts` hands them to the grouped-expert kernel as transposed
+  views with ``interleaved=True`` and ``activation="gpt_oss"``. The block returns the router scores beside the hidden
+  states, as upstream's does. transformers 4.x's router hands the experts other tensors, so there the experts run
+  upstream's (the report says so).
+- Loss: the fused linear cross-entropy, upstream's own forward when router logits are asked for
+  (:func:`fastft.patches.moe.moe_causal_lm_forward`).
+- Attention stays upstream's, with peft's LoRA on q / k / v / o: its learned attention sinks (``s_aux``) and its
+  half-width rotary tables are not what the fused attention path computes.
+
+gpt-oss's hub checkpoints store the experts in MXFP4, which transformers dequantises on load where it has no MXFP4
+kernel (CPU, pre-Hopper GPUs); fastft trains those dequantised 16-bit experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fastft.kernels import rms_norm
+from fastft.patches.decoder import Family, loss_fallbacks, model_type_only, swap_class
+from fastft.patches.llama import renamed_cache
+from fastft.patches.moe import CAUSAL_LM_5, CAUSAL_LM_456, experts_fallbacks, experts_only_on_5, moe_causal_lm_forward
+from fastft.patches.moe_experts import experts_runner
+from fastft.registry import PatchRecord, register
+
+try:
+    from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
+except ImportError:  # transformers < 4.55 has no gpt-oss
+    gpt_oss = None
+
+
+def gpt_oss_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's RMSNorm (``weight · x̂`` in fp32, then cast) through the fused kernel."""
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=0.0, cast_before_weight=False)
+
+
+def gpt_oss_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GptOssMLP.forward`` (transformers 5.x) with its experts on the fused grouped-expert path where they can be."""
+    batch, seq, hidden = hidden_states.shape
+    flat = hidden_states.reshape(-1, hidden)
+    _, scores, index = self.router(flat)
+    run = experts_runner(self)
+    out = self.experts(flat, index, scores) if run is None else run(flat, index, scores)
+    return out.reshape(batch, seq, hidden), scores
+
+
+def _attention_reason(model: torch.nn.Module) -> str | None:
+    reason = model_type_only("gpt_oss")(model)
+    return reason or (
+        "gpt-oss's attention adds learned sinks and rotates with half-width tables: upstream's attention runs, with "
+        "peft's LoRA on q / k / v / o"
+    )
+
+
+if gpt_oss is not None:
+    GPT_OSS = Family(name="gpt_oss", model_type="gpt_oss", upstream=gpt_oss, prefix="GptOss")
+
+    class FastGptOssRMSNorm(gpt_oss.GptOssRMSNorm):
+        """``GptOssRMSNorm`` through the fused RMSNorm kernel (weight applied in fp32)."""
+
+        forward = gpt_oss_rms_norm_forward
+
+    class FastGptOssMLP(gpt_oss.GptOssMLP):
+        """``GptOssMLP`` with its experts as one fused grouped-expert LoRA node (transformers 5.x)."""
+
+        forward = gpt_oss_block_forward
+
+    from fastft.patches.causal_lm import FusedLossState
+
+    class FastGptOssForCausalLM(FusedLossState, gpt_oss.GptOssForCausalLM):
+        """``GptOssForCausalLM`` whose training loss goes through the fused linear cross-entropy."""
+
+        forward = moe_causal_lm_forward(gpt_oss.GptOssForCausalLM)
+
+    _RANGES = (
+        (">=4.56,<4.58", CAUSAL_LM_456),
+        (">=5.5.4,<5.24", CAUSAL_LM_5),
+        (">=5.24,<5.25", renamed_cache(CAUSAL_LM_5)),
+    )
+    _ATTENTION = (
+        "(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, cache_position=None, "
+        "**kwargs)",
+        "(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs)",
+        "(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs)",
+    )
+    _only = model_type_only("gpt_oss")
+    _parts: tuple[tuple[str, str, type | None, Callable, Callable | None], ...] = (
+        ("rms_norm", "RMSNorm", FastGptOssRMSNorm, _only, None),
+        ("experts", "MLP", FastGptOssMLP, experts_only_on_5(GPT_OSS), experts_fallbacks(FastGptOssMLP)),
+        ("causal_lm_loss", "ForCausalLM", FastGptOssForCausalLM, _only, loss_fallbacks(FastGptOssForCausalLM)),
+        ("attention", "Attention", None, _attention_reason, None),
+    )
+    for (_versions, _causal_lm), _attention in zip(_RANGES, _ATTENTION, strict=True):
+        for _part, _suffix, _fast, _applies, _fallbacks in _parts:
+            _upstream = GPT_OSS.upstream_class(_suffix)
+            _fingerprint = {"causal_lm_loss": _causal_lm, "attention": _attention}.get(_part, "(self, hidden_states)")
+            register(
+                PatchRecord(
+                    name=f"gpt_oss.{_part}",
+                    target=f"{gpt_oss.__name__}.{_upstream.__name__}.forward",
+                    versions={"transformers": _versions},
+                    fingerprint=_fingerprint,
+                    applies_to=_applies,
+                    apply=swap_class(_upstream, _fast) if _fast is not None else (lambda model: 0),
+                    replacement=_fast,
+                    fallbacks=_fallbacks,
+                    model_types=("gpt_oss",),
+                )
+            )

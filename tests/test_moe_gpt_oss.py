@@ -1,0 +1,112 @@
+"""gpt-oss: experts stored transposed with gate / up interleaved, biases and a clamped SwiGLU, on the fused
+grouped-expert path (transformers 5.x); norms and loss fused; attention upstream's (learned sinks). Parity with
+transformers + peft on both kernel paths, in every checkpointing mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randomize_lora_b, relative_error
+from parity import GRAD_TOLERANCE, LOSS_TOLERANCE
+
+from fastft import FastModel
+from fastft.registry import patch_report
+
+pytestmark = pytest.mark.lane
+gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss", reason="this transformers has no gpt-oss")
+
+E, VOCAB = 4, 256
+
+
+def _five() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5")
+
+
+@pytest.fixture(scope="module")
+def oss_dir(tmp_path_factory, word_tokenizer):
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=E,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    model = gpt_oss.GptOssForCausalLM(config).float()
+    with torch.no_grad():
+        # Non-zero sinks and biases, so a path that dropped either would show.
+        for name, parameter in model.named_parameters():
+            if "sinks" in name or "bias" in name:
+                parameter.normal_(0, 0.1)
+    folder = tmp_path_factory.mktemp("gpt-oss")
+    model.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _ours(folder, checkpointing=False):
+    model, tokenizer = FastModel.from_pretrained(str(folder), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing)
+    randomize_lora_b(model, std=0.1)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
+def test_loss_and_lora_gradients_match_stock_peft(oss_dir, kernel_path, checkpointing):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model, _ = _ours(oss_dir, checkpointing)
+    config = model.peft_config["default"]
+    options = dict(r=4, lora_alpha=8, target_modules=list(config.target_modules))
+    if getattr(config, "target_parameters", None):
+        options["target_parameters"] = list(config.target_parameters)
+    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(str(oss_dir)), LoraConfig(**options))
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss
+    ours.backward()
+    theirs.backward()
+    assert relative_error(ours, theirs) <= LOSS_TOLERANCE
+    expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
+    actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert expected.keys() == actual.keys() and any(".experts." in name for name in actual)
+    for name, grad in actual.items():
+        assert expected[name].norm() > 0, name
+        assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+
+
+def test_report_says_what_runs_fused(oss_dir):
+    model, _ = _ours(oss_dir)
+    rows = {row["name"]: row for row in patch_report(model)}
+    assert rows["gpt_oss.rms_norm"]["status"] == rows["gpt_oss.causal_lm_loss"]["status"] == "applied"
+    assert rows["gpt_oss.attention"]["status"] == "not applicable"
+    assert "sinks" in rows["gpt_oss.attention"]["reason"]
+    if _five():
+        assert rows["gpt_oss.experts"]["status"] == "applied" and not rows["gpt_oss.experts"]["fallbacks"]
+    else:
+        assert rows["gpt_oss.experts"]["status"] == "not applicable"
+
+
+def test_merged_save_reloads_and_matches(oss_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = _ours(oss_dir)
+    FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    ids = torch.randint(4, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    model.eval()
+    with torch.no_grad():
+        assert relative_error(merged(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
