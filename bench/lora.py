@@ -13,7 +13,12 @@ gradients:
 
 - ``qkv``: q / k / v of ``[tokens, hidden]`` (:func:`fastft.kernels.lora_qkv.lora_qkv`);
 - ``o``: o_proj of ``[tokens, heads·head_dim]`` (:func:`fastft.kernels.lora_o.lora_o`);
-- ``mlp``: gate / up, SwiGLU, down (:func:`fastft.kernels.lora_mlp.lora_mlp`).
+- ``mlp``: gate / up, SwiGLU, down (:func:`fastft.kernels.lora_mlp.lora_mlp`);
+- ``moe``: a Qwen3-MoE layer's experts with LoRA on every expert, called with a fixed top-k routing of x
+  (:class:`fastft.kernels.lora_moe_experts.LoRAMoEExperts` against transformers' ``Qwen3MoeExperts`` under peft's
+  ``target_parameters``; ``fastft``'s systems: ``auto`` alone, its grouped GEMMs have no cuBLAS-or-Triton choice;
+  ``grouped_mm``: the stock experts on transformers' ``grouped_mm``, ``peft`` on its eager loop; ``floor``: the two
+  base grouped GEMMs over the rows sorted by expert). Dense weights only (no NF4 experts), on shapes with experts.
 
 Systems, alternated in one process (cublas, triton, auto, peft, floor, cublas, ...):
 
@@ -100,44 +105,17 @@ def _load_sibling(name: str) -> Any:
 
 _workload = _load_sibling("lora_workload")
 _report = _load_sibling("lora_report")
-FASTFT_SYSTEMS, NOISE_MIN, SYSTEMS, TARGET_PEFT_OVER_QKV, TARGET_QKV_OVER_FLOOR = (
-    _report.FASTFT_SYSTEMS,
-    _report.NOISE_MIN,
-    _report.SYSTEMS,
-    _report.TARGET_PEFT_OVER_QKV,
-    _report.TARGET_QKV_OVER_FLOOR,
-)
-auto_path, evaluate_targets, format_table, format_targets, ratio_noise, row_ratios, summarise = (
-    _report.auto_path,
-    _report.evaluate_targets,
-    _report.format_table,
-    _report.format_targets,
-    _report.ratio_noise,
-    _report.row_ratios,
-    _report.summarise,
-)
-GROUPS, NF4_IN_KERNEL, SHAPES, SYSTEM_MODES = (
-    _workload.GROUPS,
-    _workload.NF4_IN_KERNEL,
-    _workload.SHAPES,
-    _workload.SYSTEM_MODES,
-)
-Shape, Workload, base_flops, build_workload, clear_grads = (
-    _workload.Shape,
-    _workload.Workload,
-    _workload.base_flops,
-    _workload.build_workload,
-    _workload.clear_grads,
-)
-fastft_forward, gemm_mode, in_mode, linear, make_step, projections_of, system_forward = (
-    _workload.fastft_forward,
-    _workload.gemm_mode,
-    _workload.in_mode,
-    _workload.linear,
-    _workload.make_step,
-    _workload.projections_of,
-    _workload.system_forward,
-)
+FASTFT_SYSTEMS, NOISE_MIN, SYSTEMS = _report.FASTFT_SYSTEMS, _report.NOISE_MIN, _report.SYSTEMS
+TARGET_PEFT_OVER_QKV, TARGET_QKV_OVER_FLOOR = _report.TARGET_PEFT_OVER_QKV, _report.TARGET_QKV_OVER_FLOOR
+auto_path, evaluate_targets, format_table = _report.auto_path, _report.evaluate_targets, _report.format_table
+format_targets, ratio_noise, row_ratios = _report.format_targets, _report.ratio_noise, _report.row_ratios
+summarise = _report.summarise
+GROUPS, NF4_IN_KERNEL, SHAPES, SYSTEM_MODES = (_workload.GROUPS, _workload.NF4_IN_KERNEL, _workload.SHAPES,
+                                              _workload.SYSTEM_MODES)  # fmt: skip
+Shape, Workload, base_flops = _workload.Shape, _workload.Workload, _workload.base_flops
+build_workload, clear_grads, fastft_forward = _workload.build_workload, _workload.clear_grads, _workload.fastft_forward
+gemm_mode, in_mode, linear, make_step = _workload.gemm_mode, _workload.in_mode, _workload.linear, _workload.make_step
+projections_of, system_forward = _workload.projections_of, _workload.system_forward
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_GROUPS = ("qkv",)
@@ -145,7 +123,7 @@ CPU_SYSTEMS = ("auto", "peft", "floor")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-GPU_SHAPES = ("llama-3-8b", "llama-3.2-1b")
+GPU_SHAPES = ("llama-3-8b", "llama-3.2-1b", "qwen3-30b-a3b")
 CPU_SHAPES = ("tiny",)
 
 
@@ -172,6 +150,8 @@ def _results(workload: Workload, system: str) -> dict[str, torch.Tensor]:
 
 def _float64_results(workload: Workload) -> dict[str, torch.Tensor]:
     """The same function as the fastft and peft systems, every operand upcast to float64, by autograd."""
+    if workload.group == "moe":
+        return _workload.moe_float64_results(workload)
     x = workload.x.detach().double().requires_grad_()
     params = {name: p.detach().double().requires_grad_() for name, p in workload.lora_params.items()}
 
@@ -298,6 +278,8 @@ def run_one(
     """Build one workload, check it, time the systems and measure their memory; the JSON-ready row."""
     workload = build_workload(shape, group, weights, dtype, device, settings["seed"])
     probe = workload.x
+    # The MoE experts' grouped GEMMs have no forced mode (auto alone); its stock systems are the workload's own.
+    systems = [s for s in systems if s in workload.forward or (s in SYSTEM_MODES and (group != "moe" or s == "auto"))]
     fastft_systems = [system for system in systems if system in SYSTEM_MODES]
     # The NF4 decode question: the Triton kernel decoding 4-bit tiles in its K loop against the reused buffer.
     decode_base = next((s for s in ("triton", "auto") if s in fastft_systems), None) if weights == "nf4" else None
@@ -310,15 +292,17 @@ def run_one(
     for system in probed:
         results[system], gemm[system] = probe_system(workload, system, device)
     correctness: dict[str, Any] = {}
-    if "peft" in systems:
-        results["peft"] = _results(workload, "peft")
+    for stock in ("peft", "grouped_mm"):
+        if stock in systems:
+            results[stock] = _results(workload, stock)
     exact = _float64_results(workload)
     for system in fastft_systems:
         if "peft" in results:
             correctness[f"{system}_vs_peft"] = _compare(results[system], results["peft"])
         correctness[f"{system}_vs_float64"] = _compare(results[system], exact)
-    if "peft" in results:
-        correctness["peft_vs_float64"] = _compare(results["peft"], exact)
+    for stock in ("peft", "grouped_mm"):
+        if stock in results:
+            correctness[f"{stock}_vs_float64"] = _compare(results[stock], exact)
     decode_check = (
         _relative_error(results[NF4_IN_KERNEL]["output"], results[decode_base]["output"]) if decode_base else None
     )
@@ -360,6 +344,7 @@ def run_one(
         "memory": memory,
         "saved_for_backward_bytes": saved,
         "correctness": correctness,
+        **({"notes": workload.notes} if workload.notes else {}),
     }
     if decode_base:
         row["nf4_decode"] = {
@@ -407,6 +392,11 @@ def cases(
         for weights in formats:
             dtype = _compute_dtype(weights, args, device)
             for group in groups:
+                # moe needs experts and dense expert weights; mlp a dense MLP (Qwen3-30B-A3B's layers have none).
+                if (group == "moe" and (not shape.experts or weights == "nf4")) or (
+                    group == "mlp" and not shape.intermediate
+                ):
+                    continue
                 yield name, shape, group, weights, dtype
 
 

@@ -15,6 +15,8 @@ import torch
 
 # The projections of a Llama block, in the order peft and the benchmarks name them.
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture-of-experts block's stacked expert parameters, as peft's target_parameters names them.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 class SavedTensorBytes:
@@ -200,9 +202,19 @@ def _attention_formulas() -> dict[Any, Callable[..., int]]:
     return formulas
 
 
+def _sparse_layers(read: Callable[..., Any], layers: int) -> set[int]:
+    """The layers whose MLP is a sparse MoE block: Qwen3-MoE's every ``decoder_sparse_step``-th outside
+    ``mlp_only_layers``, or every layer of a Mixtral; none for a dense config."""
+    if not (read("num_experts") or read("num_local_experts")):
+        return set()
+    step, dense = read("decoder_sparse_step") or 1, set(read("mlp_only_layers") or ())
+    return {layer for layer in range(layers) if layer not in dense and (layer + 1) % step == 0}
+
+
 def lora_step_flops(config: Any, batch: int, seq: int, rank: int, targets: Iterable[str] = LLAMA_PROJECTIONS) -> int:
-    """The matmul FLOPs of one LoRA training step (forward with labels, backward) of a Llama-family decoder,
-    computed from its config: what :func:`count_flops` counts for stock transformers + peft with sdpa.
+    """The matmul FLOPs of one LoRA training step (forward with labels, backward) of a Llama-family decoder, or of a
+    mixture-of-experts one (Qwen3-MoE, Mixtral), computed from its config: for a dense model what
+    :func:`count_flops` counts for stock transformers + peft with sdpa.
 
     Counted: the frozen base projections forward and their input gradients; each LoRA pair's two matmuls forward
     and their weight and input gradients; attention (:func:`attention_flops`, forward and backward, with the
@@ -210,14 +222,22 @@ def lora_step_flops(config: Any, batch: int, seq: int, rank: int, targets: Itera
     input gradient (their input, the embedding, needs none), nor do their LoRA A matrices. Not counted, as in the
     counter: elementwise work, norms, softmax, the loss, any recomputation by gradient checkpointing.
 
+    A sparse MoE block counts the work its routing asks for: the router, and for each token only its top-k experts'
+    gate | up and down (base and, when ``targets`` names ``EXPERT_PARAMETERS``, each expert's LoRA applied to the
+    rows routed to it). Stock peft computes more than this: it folds ``B·A`` into the whole expert stack each
+    forward (``E·r·in·out`` per projection whatever the tokens), work the routed count leaves out, as the floor
+    leaves out recomputation.
+
     Args:
         config: A transformers config (or a mapping of one): ``hidden_size``, ``intermediate_size``,
             ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``; ``num_key_value_heads`` and
-            ``head_dim`` when they differ from the defaults (all heads; hidden // heads).
+            ``head_dim`` when they differ from the defaults (all heads; hidden // heads); for MoE ``num_experts``
+            (or ``num_local_experts``), ``num_experts_per_tok`` and ``moe_intermediate_size`` (default
+            ``intermediate_size``).
         batch: Sequences per step.
         seq: Tokens per sequence.
         rank: LoRA rank.
-        targets: The projections that carry LoRA (names of :data:`LLAMA_PROJECTIONS`).
+        targets: What carries LoRA: names of :data:`LLAMA_PROJECTIONS` and :data:`EXPERT_PARAMETERS`.
 
     Raises:
         ValueError: The config lacks one of those fields, or ``targets`` names an unknown projection.
@@ -227,43 +247,68 @@ def lora_step_flops(config: Any, batch: int, seq: int, rank: int, targets: Itera
     missing = [name for name in required if read(name) is None]
     if missing:
         raise ValueError(
-            f"fastft.measure.lora_step_flops: the config has no {missing}; it counts Llama-family decoders only"
+            f"fastft.measure.lora_step_flops: the config has no {missing}; it counts Llama-family decoders and "
+            "Qwen3-MoE / Mixtral ones only"
         )
     targets = set(targets)
-    unknown = targets - set(LLAMA_PROJECTIONS)
+    unknown = targets - set(LLAMA_PROJECTIONS) - set(EXPERT_PARAMETERS)
     if unknown:
         raise ValueError(
             f"fastft.measure.lora_step_flops: unknown projections {sorted(unknown)}; choose from "
-            f"{list(LLAMA_PROJECTIONS)}"
+            f"{list(LLAMA_PROJECTIONS) + list(EXPERT_PARAMETERS)}"
         )
     hidden, inner, layers = read("hidden_size"), read("intermediate_size"), read("num_hidden_layers")
     heads, vocab = read("num_attention_heads"), read("vocab_size")
     kv_heads = read("num_key_value_heads") or heads
     head_dim = read("head_dim") or hidden // heads
     tokens = batch * seq
-    shapes = {  # projection: (in, out)
+    sparse = _sparse_layers(read, layers)
+    if sparse and not read("num_experts_per_tok"):
+        raise ValueError(
+            "fastft.measure.lora_step_flops: a mixture-of-experts config (num_experts set) without "
+            "num_experts_per_tok; pass the full config"
+        )
+    attention = {  # projection: (in, out)
         "q_proj": (hidden, heads * head_dim),
         "k_proj": (hidden, kv_heads * head_dim),
         "v_proj": (hidden, kv_heads * head_dim),
         "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, inner),
-        "up_proj": (hidden, inner),
-        "down_proj": (inner, hidden),
     }
+    dense_mlp = {"gate_proj": (hidden, inner), "up_proj": (hidden, inner), "down_proj": (inner, hidden)}
     total = 0
     for layer in range(layers):
+        shapes = {**attention, **({} if layer in sparse else dense_mlp)}
         for name, (fan_in, fan_out) in shapes.items():
             # The first layer's attention inputs come from the frozen embedding: no gradient flows into them.
             input_grad = layer > 0 or name not in ("q_proj", "k_proj", "v_proj")
-            base = 2 * tokens * fan_in * fan_out
-            total += base * (2 if input_grad else 1)
-            if name in targets:
-                lora_a, lora_b = 2 * tokens * fan_in * rank, 2 * tokens * rank * fan_out
-                # A: forward, weight gradient and (when its input needs one) input gradient; B: all three.
-                total += lora_a * (3 if input_grad else 2) + 3 * lora_b
+            total += _projection_flops(tokens, fan_in, fan_out, rank if name in targets else 0, input_grad)
+        if layer in sparse:
+            total += _moe_flops(read, tokens, hidden, inner, rank, targets)
         query, key = (batch, heads, seq, head_dim), (batch, kv_heads, seq, head_dim)
         total += attention_flops(query, key, key) + attention_flops(query, key, key, backward=True)
     return total + 2 * (2 * tokens * hidden * vocab)
+
+
+def _projection_flops(rows: int, fan_in: int, fan_out: int, rank: int, input_grad: bool = True) -> int:
+    """A frozen projection over ``rows`` (forward, and its input gradient when wanted) with its LoRA of ``rank``
+    (none at 0): A forward, weight gradient and (when its input needs one) input gradient; B all three."""
+    base = 2 * rows * fan_in * fan_out
+    total = base * (2 if input_grad else 1)
+    if rank:
+        lora_a, lora_b = 2 * rows * fan_in * rank, 2 * rows * rank * fan_out
+        total += lora_a * (3 if input_grad else 2) + 3 * lora_b
+    return total
+
+
+def _moe_flops(read: Callable[..., Any], tokens: int, hidden: int, inner: int, rank: int, targets: set[str]) -> int:
+    """One sparse block: the router over every token (its input gradient too), and each expert's gate | up and
+    down over the rows routed to it (tokens x top-k in all)."""
+    experts = read("num_experts") or read("num_local_experts")
+    expert_inner, rows = read("moe_intermediate_size") or inner, tokens * read("num_experts_per_tok")
+    total = 2 * (2 * tokens * hidden * experts)
+    gate_up, down = EXPERT_PARAMETERS
+    total += _projection_flops(rows, hidden, 2 * expert_inner, rank if gate_up in targets else 0)
+    return total + _projection_flops(rows, expert_inner, hidden, rank if down in targets else 0)
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
@@ -292,6 +337,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = Non
 
 
 __all__ = [
+    "EXPERT_PARAMETERS",
     "LLAMA_PROJECTIONS",
     "SavedTensorBytes",
     "attention_flops",

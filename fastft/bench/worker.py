@@ -36,6 +36,8 @@ _STARTED = time.monotonic()
 RESULT_PREFIX = "FASTFT-BENCH-RESULT "
 PROBE_PREFIX = "FASTFT-BENCH-PROBE "
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The 3-D expert parameters peft's target_parameters wraps on transformers 5.x's MoE blocks.
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 LORA_SEED, INPUT_SEED = 1000, 0
 PACKAGES = (
     "torch",
@@ -69,16 +71,54 @@ def _quantization(dtype: Any) -> Any:
     )
 
 
-def build(spec: dict[str, Any]) -> Any:
-    """Load ``spec["folder"]`` and add LoRA r=16 on the seven projections the way ``spec["family"]`` does, with its
-    checkpointing set to ``spec["mode"]`` (see :class:`fastft.bench.systems.System`).
+def _experts_implementation(spec: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained``'s ``experts_implementation="grouped_mm"`` for a mixture-of-experts run where the installed
+    transformers has torch's grouped GEMM path for the experts (5.x), else nothing (its own default)."""
+    if not spec.get("target_parameters"):
+        return {}
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return {}
+    return {"experts_implementation": "grouped_mm"} if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else {}
+
+
+def _liger_patch(folder: str) -> Any:
+    """Liger-Kernel's patch function for the model in ``folder`` (``apply_liger_kernel_to_<model_type>``).
 
     Raises:
-        ValueError: An unknown family.
+        ValueError: Liger-Kernel has no patch for that model type.
+    """
+    import liger_kernel.transformers as liger
+
+    model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type", "llama")
+    patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if patch is None:
+        raise ValueError(
+            f"fastft bench worker: liger-kernel has no apply_liger_kernel_to_{model_type} for the {model_type} "
+            f"model in {folder}; leave the liger systems out for this workload"
+        )
+    return patch
+
+
+def build(spec: dict[str, Any]) -> Any:
+    """Load ``spec["folder"]`` and add LoRA r=16 the way ``spec["family"]`` does, with its checkpointing set to
+    ``spec["mode"]`` (see :class:`fastft.bench.systems.System`).
+
+    LoRA goes on ``spec["target_modules"]`` (default the seven projections of a Llama block) and, for a
+    mixture-of-experts model, on every expert through peft's ``target_parameters`` (``spec["target_parameters"]``):
+    stock transformers + peft runs the experts with transformers' ``grouped_mm`` where it has it, fastft takes its own
+    MoE defaults (``target_modules=None``: the attention and every expert).
+
+    Raises:
+        ValueError: An unknown family, or Liger-Kernel without a patch for the model's type.
     """
     family, mode, folder, nf4 = spec["family"], spec["mode"], spec["folder"], spec["quant"] == "nf4"
     if family not in ("transformers+peft", "liger", "unsloth", "fastft"):
         raise ValueError(f"fastft bench worker: unknown family {family!r} in the spec of {spec.get('system')!r}")
+    modules, parameters = list(spec.get("target_modules") or TARGETS), list(spec.get("target_parameters") or [])
+    # Only where there is something to pass: a peft or Unsloth without target_parameters still builds dense models.
+    extra = {"target_parameters": parameters} if parameters else {}
     if family == "unsloth":
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
     import torch
@@ -97,9 +137,10 @@ def build(spec: dict[str, Any]) -> Any:
             lora_alpha=spec["alpha"],
             lora_dropout=0,
             bias="none",
-            target_modules=list(TARGETS),
+            target_modules=modules,
             use_gradient_checkpointing=mode,
             random_state=0,
+            **extra,
         )
     elif family == "fastft":
         from fastft import FastModel
@@ -116,14 +157,12 @@ def build(spec: dict[str, Any]) -> Any:
             r=spec["rank"],
             lora_alpha=spec["alpha"],
             lora_dropout=0.0,
-            target_modules=list(TARGETS),
+            target_modules=None if parameters else modules,
             use_gradient_checkpointing=mode,
         )
     else:
         if family == "liger":
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-            apply_liger_kernel_to_llama()
+            _liger_patch(folder)()
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -133,6 +172,7 @@ def build(spec: dict[str, Any]) -> Any:
             attn_implementation="sdpa",
             device_map=device_map,
             quantization_config=_quantization(dtype) if nf4 else None,
+            **_experts_implementation(spec),
         )
         if mode:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -140,8 +180,9 @@ def build(spec: dict[str, Any]) -> Any:
             r=spec["rank"],
             lora_alpha=spec["alpha"],
             lora_dropout=0.0,
-            target_modules=list(TARGETS),
+            target_modules=modules,
             task_type="CAUSAL_LM",
+            **extra,
         )
         model = get_peft_model(model, config)
     model.train()
@@ -151,18 +192,27 @@ def build(spec: dict[str, Any]) -> Any:
 def set_lora(model: Any) -> dict[str, Any]:
     """Give every LoRA A and B seeded values from (layer, projection), the same in every system and process.
 
-    peft starts B at zero, which would make the adapters a no-op and the loss blind to them. Returns how many
-    adapters were set and a checksum of the values, which the harness compares across systems.
+    peft starts B at zero, which would make the adapters a no-op and the loss blind to them. An MoE block's experts
+    carry one peft wrapper per 3-D parameter (``...mlp.experts`` and ``...mlp.experts.base_layer``, in an order that
+    follows the config), each holding the E experts' A's and B's stacked; they are told apart by the parameter they
+    wrap, so every system seeds the same values into the same expert's adapter. Returns how many adapters were set
+    and a checksum of the values, which the harness compares across systems.
     """
     import torch
 
     pattern = re.compile(r"layers\.(\d+)\..*\b(" + "|".join(TARGETS) + r")$")
+    layer_of = re.compile(r"layers\.(\d+)\.")
     count, checksum = 0, 0.0
     for name, module in model.named_modules():
-        match = pattern.search(name)
-        if match is None or not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
+        if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
             continue
-        layer, projection = int(match.group(1)), TARGETS.index(match.group(2))
+        match, wrapped = pattern.search(name), getattr(module, "parameter_name", None)
+        if match is not None:
+            layer, projection = int(match.group(1)), TARGETS.index(match.group(2))
+        elif wrapped in EXPERT_PARAMETERS and layer_of.search(name):
+            layer, projection = int(layer_of.search(name).group(1)), len(TARGETS) + EXPERT_PARAMETERS.index(wrapped)
+        else:
+            continue
         generator = torch.Generator().manual_seed(LORA_SEED + 16 * layer + projection)
         a_weight, b_weight = module.lora_A["default"].weight, module.lora_B["default"].weight
         a = torch.randn(a_weight.shape, generator=generator) / a_weight.shape[1] ** 0.5
@@ -240,6 +290,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         record["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
     record["versions"] = environment.package_versions(PACKAGES)
+    if spec.get("target_parameters"):
+        # Which experts forward the stock model was set to run (fastft's patched blocks bypass it when fused).
+        record["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     if spec["family"] == "fastft":
         from fastft import patch_report
         from fastft.checkpointing.modes import get_mode
@@ -262,8 +315,9 @@ def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_
         finally:
             model.zero_grad(set_to_none=True)
     try:
+        targets = (*(spec.get("target_modules") or TARGETS), *(spec.get("target_parameters") or ()))
         extras["flops_analytic"] = measure_module.lora_step_flops(
-            model.config, spec["batch"], spec["seq"], spec["rank"], TARGETS
+            model.config, spec["batch"], spec["seq"], spec["rank"], targets
         )
     except Exception as error:  # noqa: BLE001  (a config the formula does not know: the floor uses the count)
         extras["flops_analytic_error"] = _failure(error)

@@ -8,12 +8,20 @@ from pathlib import Path
 
 # LoRA on every projection of a Llama block, the same for every system.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture-of-experts model: LoRA on the attention, and one adapter per expert on the experts' two stacked 3-D
+# parameters through peft's target_parameters (transformers 5.x's fused layout), the same for every system.
+MOE_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 RANK, ALPHA = 16, 16
+# The model families write_random_model builds (MODEL_SHAPES' "model_type").
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 # Random-weight shapes for the GPU workloads (no downloads on the GPU machine). max_position_embeddings is raised so
-# the longest-sequence search is limited by memory, not by the config.
+# the longest-sequence search is limited by memory, not by the config. "model_type" picks the transformers classes;
+# every other key is the config's.
 MODEL_SHAPES: dict[str, dict[str, object]] = {
     "llama-3.2-1b": dict(
+        model_type="llama",
         hidden_size=2048,
         intermediate_size=8192,
         num_hidden_layers=16,
@@ -25,6 +33,7 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
         max_position_embeddings=262144,
     ),
     "llama-3-8b": dict(
+        model_type="llama",
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
@@ -35,13 +44,54 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
         rope_theta=500000.0,
         max_position_embeddings=262144,
     ),
+    # Qwen3-30B-A3B's layer (128 experts of 768, top-8, 32 query / 4 key-value heads of 128, its vocabulary and
+    # untied head) with 8 of its 48 layers: 5.61e9 parameters, 11.2 GB in bf16 (embeddings and head 0.62e9; each
+    # layer 0.60e9 of experts, 0.019e9 of attention). Eight leave an 80 GB card room for stock peft, which folds
+    # B·A into every expert's weight each forward and keeps that copy for backward (1.2 GB a layer), and for 8192
+    # tokens of activations without checkpointing; with fewer, the 151936-row head would outweigh the layers.
+    "qwen3-30b-a3b-8l": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        max_position_embeddings=262144,
+    ),
     # The harness's own check (tests, ``--quick``): seconds per step on a CPU.
     "tiny": dict(
+        model_type="llama",
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+    ),
+    # The MoE path's check (tests, ``--quick --workloads tiny-moe-fp32-2x32``): 8 experts, top-2, GQA.
+    "tiny-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         vocab_size=256,
         tie_word_embeddings=False,
         rope_theta=10000.0,
@@ -72,13 +122,27 @@ class Workload:
         return asdict(self)
 
 
+def is_moe(model: str) -> bool:
+    """Whether ``model`` (a key of ``MODEL_SHAPES``, or the embedded model's alias) is a mixture-of-experts shape."""
+    return MODEL_SHAPES.get(model, {}).get("model_type") in MOE_MODEL_TYPES
+
+
+def lora_targets(model: str) -> dict[str, list[str]]:
+    """What every system puts LoRA on for ``model``: ``target_modules`` and ``target_parameters`` (the experts)."""
+    if is_moe(model):
+        return {"target_modules": list(MOE_TARGET_MODULES), "target_parameters": list(MOE_TARGET_PARAMETERS)}
+    return {"target_modules": list(TARGET_MODULES), "target_parameters": []}
+
+
 def _gpu_workloads() -> list[Workload]:
     workloads = []
-    for model in ("llama-3.2-1b", "llama-3-8b"):
-        for dtype, quant in (("bfloat16", "none"), ("bfloat16", "nf4")):
+    for model in ("llama-3.2-1b", "llama-3-8b", "qwen3-30b-a3b-8l"):
+        # No NF4 for the MoE shape: fastft refuses load_in_4bit on transformers 5.x's 3-D experts.
+        quants = ("none",) if is_moe(model) else ("none", "nf4")
+        for quant in quants:
             for batch, seq in ((4, 2048), (1, 8192)):
                 tag = "nf4" if quant == "nf4" else "bf16"
-                workloads.append(Workload(f"{model}-{tag}-{batch}x{seq}", model, dtype, batch, seq, quant))
+                workloads.append(Workload(f"{model}-{tag}-{batch}x{seq}", model, "bfloat16", batch, seq, quant))
     return workloads
 
 
@@ -88,19 +152,25 @@ WORKLOADS: dict[str, list[Workload]] = {
         Workload("smollm2-135m-bf16-2x512", EMBEDDED_MODEL, "bfloat16", 2, 512),
     ],
     "cuda": _gpu_workloads(),
-    "quick": [Workload("tiny-fp32-2x32", "tiny", "float32", 2, 32)],
+    "quick": [
+        Workload("tiny-fp32-2x32", "tiny", "float32", 2, 32),
+        Workload("tiny-moe-fp32-2x32", "tiny-moe", "float32", 2, 32),
+    ],
 }
+# Run only when named with --workloads: the quick run's default stays the one dense check.
+NAMED_ONLY = ("tiny-moe-fp32-2x32",)
 
 
 def select_workloads(device: str, quick: bool, names: list[str] | None) -> list[Workload]:
-    """The workloads of ``device`` (``quick``: the tiny check), narrowed to ``names`` when given.
+    """The workloads of ``device`` (``quick``: the tiny check), narrowed to ``names`` when given (``NAMED_ONLY``
+    workloads run only when named).
 
     Raises:
         ValueError: A name in ``names`` is not a workload of that device; the message lists the valid ones.
     """
     pool = WORKLOADS["quick" if quick else device]
     if not names:
-        return list(pool)
+        return [workload for workload in pool if workload.name not in NAMED_ONLY]
     known = {workload.name: workload for workload in pool}
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -111,23 +181,36 @@ def select_workloads(device: str, quick: bool, names: list[str] | None) -> list[
 
 
 def write_random_model(shape: str, folder: Path, dtype: str, device: str) -> Path:
-    """Write a Llama of ``MODEL_SHAPES[shape]`` with seeded random weights, and a small tokenizer, to ``folder``.
+    """Write the model of ``MODEL_SHAPES[shape]`` (a Llama, or a Qwen3-MoE for ``model_type="qwen3_moe"``) with
+    seeded random weights, and a small tokenizer, to ``folder``.
 
     Reuses ``folder`` when its ``fastft-bench.json`` says it holds this shape and dtype. The weights are initialised
     on ``device`` (seconds for 8B parameters on a GPU, minutes on a CPU) and saved as safetensors.
+
+    Raises:
+        ValueError: A shape whose ``model_type`` is neither ``"llama"`` nor ``"qwen3_moe"``.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     stamp = {"shape": shape, "dtype": dtype, **MODEL_SHAPES[shape]}
     marker = folder / "fastft-bench.json"
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return folder
+    fields = dict(MODEL_SHAPES[shape])
+    model_type = fields.pop("model_type")
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+    if model_type not in classes:
+        raise ValueError(
+            f"fastft.bench.workloads: shape {shape!r} has model_type {model_type!r}; write_random_model builds "
+            f"{sorted(classes)}: set one of those in MODEL_SHAPES"
+        )
+    config_class, model_class = (getattr(transformers, name) for name in classes[model_type])
     folder.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**MODEL_SHAPES[shape], bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = config_class(**fields, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(folder, safe_serialization=True)
     del model
     write_tokenizer(folder)
