@@ -231,3 +231,31 @@ def served(names: list[str], fragment: str) -> int:
 def count(names: list[str], fragment: str) -> int:
     """How many node names contain ``fragment``."""
     return sum(fragment in name for name in names)
+
+
+def stock_like(model, folder):
+    """transformers + peft on ``folder`` with ``model``'s LoRA targets (``target_parameters`` too) and LoRA values."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = model.peft_config["default"]
+    options = dict(r=config.r, lora_alpha=config.lora_alpha, target_modules=list(config.target_modules))
+    if getattr(config, "target_parameters", None):
+        options["target_parameters"] = list(config.target_parameters)
+    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder)), LoraConfig(**options))
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    return stock
+
+
+def assert_moe_step_matches(model, stock, **inputs) -> None:
+    """One forward + backward of both: loss within 1e-5, every LoRA gradient (the experts' among them) within 1e-4."""
+    ours, theirs = model(**inputs).loss, stock(**inputs).loss
+    ours.backward()
+    theirs.backward()
+    assert relative_error(ours, theirs) <= LOSS_TOLERANCE
+    expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
+    actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert expected.keys() == actual.keys() and any(".experts." in name for name in actual)
+    for name, grad in actual.items():
+        assert expected[name].norm() > 0, name
+        assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name

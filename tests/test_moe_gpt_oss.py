@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import GRAD_TOLERANCE, LOSS_TOLERANCE
+from parity import assert_moe_step_matches, stock_like
 
 from fastft import FastModel
 from fastft.registry import patch_report
@@ -65,27 +65,9 @@ def _ours(folder, checkpointing=False):
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
 def test_loss_and_lora_gradients_match_stock_peft(oss_dir, kernel_path, checkpointing):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     model, _ = _ours(oss_dir, checkpointing)
-    config = model.peft_config["default"]
-    options = dict(r=4, lora_alpha=8, target_modules=list(config.target_modules))
-    if getattr(config, "target_parameters", None):
-        options["target_parameters"] = list(config.target_parameters)
-    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(str(oss_dir)), LoraConfig(**options))
-    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
     ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss
-    ours.backward()
-    theirs.backward()
-    assert relative_error(ours, theirs) <= LOSS_TOLERANCE
-    expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
-    actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert expected.keys() == actual.keys() and any(".experts." in name for name in actual)
-    for name, grad in actual.items():
-        assert expected[name].norm() > 0, name
-        assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+    assert_moe_step_matches(model, stock_like(model, oss_dir), input_ids=ids, labels=ids)
 
 
 def test_report_says_what_runs_fused(oss_dir):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import GRAD_TOLERANCE, LOSS_TOLERANCE
+from parity import assert_moe_step_matches, stock_like
 from safetensors.torch import save_file
 
 from fastft import FastModel
@@ -198,40 +198,16 @@ def test_lora_gradients_reach_exactly_the_experts_that_got_tokens(moe_dir):
     assert totals[2] == 0.0 and totals[3] == 0.0
 
 
-def _stock(folder, targets, parameters):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
-    options = dict(r=4, lora_alpha=8, target_modules=list(targets))
-    if parameters:
-        options["target_parameters"] = list(parameters)
-    torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(**options))
-
-
 @pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
 @pytest.mark.parametrize("router_logits", [False, True])
 def test_loss_and_lora_gradients_match_stock_peft(moe_dir, kernel_path, checkpointing, router_logits):
     model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing)
     randomize_lora_b(model)
-    config = model.peft_config["default"]
-    stock = _stock(moe_dir, config.target_modules, getattr(config, "target_parameters", None))
-    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    stock = stock_like(model, moe_dir)
     ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     # With router logits on, the loss carries stock's auxiliary load-balancing term too.
-    options = dict(input_ids=ids, labels=ids, output_router_logits=router_logits)
-    ours, theirs = model(**options).loss, stock(**options).loss
-    ours.backward()
-    theirs.backward()
-    assert relative_error(ours, theirs) <= LOSS_TOLERANCE
-    expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
-    actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert expected.keys() == actual.keys() and any(".experts." in name for name in actual)
-    for name, grad in actual.items():
-        assert expected[name].norm() > 0, name
-        assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+    assert_moe_step_matches(model, stock, input_ids=ids, labels=ids, output_router_logits=router_logits)
 
 
 def test_attention_norms_and_loss_take_the_fused_path(moe_dir):
