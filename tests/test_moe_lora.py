@@ -146,6 +146,15 @@ def test_train_router_adds_a_lora_on_the_router(moe_dir):
     assert any(".gate.lora_A" in name for name in _lora_names(model))
 
 
+def test_a_trained_router_matches_stock_peft(moe_dir):
+    model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, train_router=True, use_gradient_checkpointing=False)
+    randomize_lora_b(model)
+    ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert_moe_step_matches(model, stock_like(model, moe_dir), input_ids=ids, labels=ids)
+    assert any(".gate." in n and p.grad is not None and p.grad.norm() > 0 for n, p in model.named_parameters())
+
+
 def test_train_router_on_a_dense_model_is_refused(tiny_llama_dir):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
     with pytest.raises(ValueError, match="train_router=True, but .*LlamaForCausalLM has no mixture-of-experts router"):
