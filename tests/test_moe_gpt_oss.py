@@ -92,3 +92,31 @@ def test_merged_save_reloads_and_matches(oss_dir, tmp_path):
     model.eval()
     with torch.no_grad():
         assert relative_error(merged(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
+
+
+def test_an_mxfp4_checkpoint_is_dequantised_on_load_with_a_warning(oss_dir, tmp_path, monkeypatch, caplog):
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "mxfp4"
+    shutil.copytree(oss_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    seen = {}
+    load = AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.update(kwargs)
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    with caplog.at_level("WARNING"):
+        model, _ = FastModel.from_pretrained(str(folder), max_seq_length=64, dtype=torch.float32)
+    # MXFP4 experts do not train: fastft asks transformers for 16-bit ones, and says so.
+    assert seen["quantization_config"].dequantize is True
+    assert any("stores its experts in MXFP4" in record.getMessage() for record in caplog.records)
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.dtype == torch.float32

@@ -74,6 +74,39 @@ def refuse_4bit_experts(config: Any, source: str) -> None:
     )
 
 
+def mxfp4_checkpoint(config: Any) -> bool:
+    """Whether ``config`` describes a checkpoint stored in MXFP4 (gpt-oss's experts on the hub)."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    return str(getattr(method, "value", method)).lower() == "mxfp4"
+
+
+def mxfp4_dequantized(config: Any, source: str) -> Any:
+    """transformers' MXFP4 config asking for the weights dequantised on load, with a warning saying why and what it
+    costs: transformers keeps MXFP4 experts (on a GPU with its kernels) in a module that cannot train, and a LoRA on
+    it would not reach the experts; 16-bit experts train through fastft's grouped-expert path."""
+    from transformers import Mxfp4Config
+
+    from fastft.contracts.moe import moe_shape
+
+    shape = moe_shape(getattr(config, "text_config", None) or config)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    size = ""
+    if shape is not None and layers:
+        expert_bytes = layers * shape.experts * 3 * shape.intermediate * shape.hidden * 2
+        size = f" (the experts take {expert_bytes / 2**30:.1f} GiB in bf16)"
+    logger.warning(
+        "fastft: %s stores its experts in MXFP4, which does not train; they are dequantised to bf16 on load%s.",
+        source,
+        size,
+    )
+    return Mxfp4Config(dequantize=True)
+
+
 def _config_before_loading(source: str, hf_kwargs: dict[str, Any]) -> Any:
     config = hf_kwargs.get("config")
     if config is not None and not isinstance(config, (str, os.PathLike)):
@@ -239,6 +272,8 @@ def from_pretrained(
         load_kwargs["quantization_config"] = quantization_config(torch_dtype, task)
     if task == "sequence-classification":
         load_kwargs["num_labels"] = 1
+    if "quantization_config" not in hf_kwargs and mxfp4_checkpoint(config):
+        load_kwargs["quantization_config"] = mxfp4_dequantized(config, source)
     load_kwargs.update(hf_kwargs)
     model = TASKS[task].from_pretrained(source, **load_kwargs)
     check_base(model)
