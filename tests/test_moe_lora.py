@@ -219,6 +219,27 @@ def test_loss_and_lora_gradients_match_stock_peft(moe_dir, kernel_path, checkpoi
     assert_moe_step_matches(model, stock, input_ids=ids, labels=ids, output_router_logits=router_logits)
 
 
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing(moe_dir, checkpointing):
+    # trl >= 1.15 calls the backbone itself with output_router_logits and adds the load-balancing loss: the router
+    # logits must carry the same gradient as without checkpointing.
+    ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for mode in (False, checkpointing):
+        model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
+        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=mode)
+        randomize_lora_b(model)
+        out = model.get_base_model().model(input_ids=ids, output_router_logits=True)
+        logits = out.router_logits
+        assert logits and all(t.requires_grad for t in logits)
+        sum((t.float() ** 2).sum() for t in logits).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys() and any(".self_attn." in n for n in plain)
+    for name, grad in plain.items():
+        assert relative_error(checkpointed[name], grad) <= 1e-6, name
+
+
 def test_attention_norms_and_loss_take_the_fused_path(moe_dir):
     from fastft.registry import patch_report
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
@@ -501,7 +502,7 @@ class LayerCheckpoint:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             function = functools.partial(function, **kwargs)
-        if not torch.is_grad_enabled() or _PLAIN[0]:
+        if not torch.is_grad_enabled() or _PLAIN[0] or _recording_router_logits():
             return function(*args)
         parameters = self.layer_parameters.trainable()
         tensors = [item for item in args if isinstance(item, torch.Tensor)]
@@ -544,6 +545,38 @@ class LayerCheckpoint:
 # Open plain_layers() blocks: while any is open, every checkpointed layer runs as plain autograd.
 _PLAIN = [0]
 
+try:
+    # transformers 5 collects an MoE model's router logits with forward hooks into this context variable while the
+    # model's forward runs; trl >= 1.15 asks for them itself (its load-balancing loss) without the causal-LM forward.
+    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
+except ImportError:  # transformers 4.x returns them from the layers, through fastft's MoE causal-LM forward
+    _OUTPUT_COLLECTOR = None
+_WARNED: list[bool] = []
+# fastft.checkpoint's logger: the name the checkpointing modes log under.
+logger = logging.getLogger("fastft.checkpoint")
+
+
+def warn_plain_for_router_logits() -> None:
+    """Say once that layers run without checkpointing while router logits are recorded, and what that costs."""
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning(
+            "fastft: router logits are being recorded (output_router_logits, or trl's load-balancing loss), so the "
+            "MoE layers run without activation checkpointing while they are: the auxiliary loss needs their "
+            "gradient. More activation memory; set output_router_logits=False (trl: router_aux_loss_coef=0) to "
+            "train with checkpointing."
+        )
+
+
+def _recording_router_logits() -> bool:
+    """Whether the running forward records router logits: a checkpointed layer's first pass runs without grad, so
+    the auxiliary loss would get them detached; the layer then runs as plain autograd (a warning says so once)."""
+    collected = None if _OUTPUT_COLLECTOR is None else _OUTPUT_COLLECTOR.get()
+    if not collected or "router_logits" not in collected:
+        return False
+    warn_plain_for_router_logits()
+    return True
+
 
 @contextlib.contextmanager
 def plain_layers() -> Iterator[None]:
@@ -559,4 +592,4 @@ def plain_layers() -> Iterator[None]:
         _PLAIN[0] -= 1
 
 
-__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters", "plain_layers"]
+__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters", "plain_layers", "warn_plain_for_router_logits"]

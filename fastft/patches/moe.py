@@ -16,7 +16,6 @@ Records cover the four transformers ranges the lanes test; their signatures were
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from transformers.models.mixtral import modeling_mixtral as mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
 from fastft.checkpointing import modes as checkpointing
-from fastft.checkpointing.layer import plain_layers
+from fastft.checkpointing.layer import plain_layers, warn_plain_for_router_logits
 from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
 from fastft.patches.decoder import (
     Family,
@@ -48,9 +47,6 @@ from fastft.patches.llama import (
 from fastft.patches.moe_experts import experts_reason, experts_runner
 from fastft.patches.qwen import _layer_window
 from fastft.registry import PatchRecord, register
-
-logger = logging.getLogger("fastft.model")
-_WARNED: list[bool] = []
 
 QWEN3_MOE = Family(
     name="qwen3_moe",
@@ -79,14 +75,7 @@ def moe_causal_lm_forward(upstream_class: type) -> Callable[..., Any]:
         if not wanted:
             return fused(self, *args, **kwargs)
         if self.training and torch.is_grad_enabled() and checkpointing.get_mode(self) is not None:
-            if not _WARNED:
-                _WARNED.append(True)
-                logger.warning(
-                    "fastft: output_router_logits is on, so the MoE layers run without activation checkpointing "
-                    "while it is (the load-balancing loss needs the router logits' gradient, which a checkpointed "
-                    "layer's first pass does not keep): more activation memory. Set output_router_logits=False "
-                    "to train with checkpointing."
-                )
+            warn_plain_for_router_logits()
             with plain_layers():
                 return upstream(self, *args, **kwargs)
         return upstream(self, *args, **kwargs)
