@@ -402,6 +402,7 @@ def build_moe_workload(shape: Shape, weights: str, dtype: torch.dtype, device: t
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from fastft.kernels.lora_moe_experts import LoRAMoEExperts
+    from fastft.patches.moe_experts import expert_views
 
     gen = torch.Generator().manual_seed(seed)
     hidden, inner, experts, rank = shape.hidden, shape.moe_intermediate, shape.experts, shape.rank
@@ -434,8 +435,7 @@ def build_moe_workload(shape: Shape, weights: str, dtype: torch.dtype, device: t
     def views() -> list[LoRAWeights]:
         # Fresh views of peft's parameters per call, as the model patch takes them: gradients reach peft's tensors.
         return [
-            LoRAWeights(w, a.view(experts, rank, -1), b.view(b.shape[0], rank, experts).permute(2, 0, 1), s)
-            for w, (a, b), s in zip(dense, stacked, scales, strict=True)
+            LoRAWeights(w, *expert_views(a, b, experts), s) for w, (a, b), s in zip(dense, stacked, scales, strict=True)
         ]
 
     fused = LoRAMoEExperts(*views(), "silu", name="bench.moe.experts")

@@ -22,6 +22,7 @@ from peft.utils import ModulesToSaveWrapper
 
 from fastft.contracts import ShapeContractError
 from fastft.kernels import dequantize_nf4
+from fastft.patches.moe_experts import expert_views
 
 # The name it had as fastft/merge.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.merge")
@@ -177,15 +178,11 @@ class MergedTensor:
 def _expert_update(
     lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, start: int, stop: int, transposed: bool
 ) -> torch.Tensor:
-    """``B_e @ A_e`` of experts ``start:stop`` (float32), from peft's stacked factors of a 3-D parameter.
-
-    peft keeps ``lora_A.weight [r·E, in]`` (expert e's A in rows ``e·r .. (e+1)·r``) and ``lora_B.weight [out, r·E]``
-    (expert e's B in columns ``j·E + e``); ``transposed``: the parameter stores each expert as ``[in, out]``.
-    """
-    rank = lora_a.shape[0] // experts
-    a = lora_a.detach().float().view(experts, rank, lora_a.shape[1])[start:stop]
-    b = lora_b.detach().float().view(lora_b.shape[0], rank, experts).permute(2, 0, 1)[start:stop]
-    update = torch.bmm(b, a)
+    """``B_e @ A_e`` of experts ``start:stop`` (float32), from peft's stacked factors of a 3-D parameter
+    (:func:`~fastft.patches.moe_experts.expert_views`); ``transposed``: the parameter stores each expert as
+    ``[in, out]``."""
+    a, b = expert_views(lora_a.detach().float(), lora_b.detach().float(), experts)
+    update = torch.bmm(b[start:stop], a[start:stop])
     return update.transpose(1, 2) if transposed else update
 
 

@@ -111,23 +111,28 @@ def _objects(block: torch.nn.Module) -> list[Any]:
     return [] if experts is None else [*experts.modules(), *experts.parameters()]
 
 
+def expert_views(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's stacked factors of a 3-D parameter as per-expert ``A [E, r, in]`` and ``B [E, out, r]`` views.
+
+    peft keeps ``lora_A.weight [r·E, in]`` with expert e's A in rows ``e·r .. (e+1)·r`` and ``lora_B.weight
+    [out, r·E]`` with expert e's B in columns ``j·E + e``.
+    """
+    rank = lora_a.shape[0] // experts
+    return lora_a.view(experts, rank, lora_a.shape[1]), lora_b.view(lora_b.shape[0], rank, experts).permute(2, 0, 1)
+
+
 class _Fused:
     """A block's fused experts: the checked kernel object, and the parameters whose views it takes per call."""
 
-    __slots__ = ("adapters", "experts", "layout")
+    __slots__ = ("adapters", "count", "experts")
 
-    def __init__(self, experts: LoRAMoEExperts, adapters: tuple[Any, ...], layout: tuple[int, ...]) -> None:
-        self.experts, self.adapters, self.layout = experts, adapters, layout
+    def __init__(self, experts: LoRAMoEExperts, adapters: tuple[Any, ...], count: int) -> None:
+        self.experts, self.adapters, self.count = experts, adapters, count
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        e = self.layout[0]
-        views = []
+        views: list[torch.Tensor | None] = []
         for a, b in self.adapters:
-            if a is None:
-                views += [None, None]
-                continue
-            rank = a.shape[0] // e
-            views += [a.view(e, rank, a.shape[1]), b.view(b.shape[0], rank, e).permute(2, 0, 1)]
+            views += [None, None] if a is None else expert_views(a, b, self.count)
         return self.experts(x, index, weights, tuple(views))
 
 
@@ -176,16 +181,14 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
             adapters.append((None, None))
             continue
         a, b, scale = adapter
-        e = weight.shape[0]
-        rank = a.shape[0] // e
-        view_a, view_b = a.view(e, rank, a.shape[1]), b.view(b.shape[0], rank, e).permute(2, 0, 1)
+        view_a, view_b = expert_views(a, b, weight.shape[0])
         projections.append(LoRAWeights(weight, view_a, view_b, scale, bias=bias))
         adapters.append((a, b))
     options = {"interleaved": interleaved, "name": f"{name}.experts"}
     if activation == "gpt_oss":
         options.update(alpha=float(base.alpha), limit=float(base.limit))
     kernel = LoRAMoEExperts(projections[0], projections[1], activation, **options)
-    return _Fused(kernel, tuple(adapters), (weights[0].shape[0],))
+    return _Fused(kernel, tuple(adapters), weights[0].shape[0])
 
 
 def experts_runner(block: torch.nn.Module) -> Run | None:
@@ -204,4 +207,4 @@ def experts_reason(block: torch.nn.Module, name: str) -> str | None:
     return decided if isinstance(decided, str) else None
 
 
-__all__ = ["experts_reason", "experts_runner"]
+__all__ = ["expert_views", "experts_reason", "experts_runner"]
