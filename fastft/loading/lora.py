@@ -26,8 +26,6 @@ logger = logging.getLogger("fastft.model")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3 / Phi-4-mini pack q | k | v and gate | up into one projection each.
 PACKED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# The router's module name in a mixture-of-experts block (Qwen / Mixtral, gpt-oss).
-_ROUTERS = ("gate", "router")
 
 
 def default_target_modules(model: torch.nn.Module) -> tuple[str, ...]:
@@ -242,8 +240,10 @@ def get_peft_model(
     if experts is not None:
         # An explicit list adapts what it names; the router, when asked for, is added to it all the same.
         explicit = target_modules is not None
-        targets += [n for n in experts.modules if n not in targets and not (explicit and n not in _ROUTERS)]
-        wanted = [n for n in experts.parameters if not (explicit and n.split(".")[0] not in _ROUTERS)]
+        expert_modules = () if explicit else experts.modules
+        expert_parameters = () if explicit else experts.parameters
+        targets += [name for name in (*expert_modules, *experts.router_modules) if name not in targets]
+        wanted = [*expert_parameters, *experts.router_parameters]
         if wanted and "target_parameters" not in lora_kwargs:
             lora_kwargs["target_parameters"] = wanted
         if lora_kwargs.get("target_parameters") and lora_dropout:

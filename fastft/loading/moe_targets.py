@@ -28,13 +28,17 @@ class MoETargets:
     """The expert (and router) part of an MoE model's LoRA targets.
 
     Attributes:
-        modules: ``target_modules`` names to add (per-expert layout: the experts' projections; a Linear router).
-        parameters: ``target_parameters`` to pass (fused layout: the 3-D expert tensors; a router weight).
+        modules: ``target_modules`` names of the experts (per-expert layout: their projections).
+        parameters: ``target_parameters`` of the experts (fused layout: the 3-D expert tensors).
+        router_modules: ``target_modules`` of the router when asked for (a ``Linear`` router).
+        router_parameters: ``target_parameters`` of the router when asked for (a router's weight parameter).
         layout: ``"fused"`` or ``"per-expert"``.
     """
 
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
+    router_modules: tuple[str, ...]
+    router_parameters: tuple[str, ...]
     layout: str
 
 
@@ -62,6 +66,8 @@ def moe_targets(model: torch.nn.Module, train_router: bool = False) -> MoETarget
     layout = layouts.pop()
     modules: list[str] = []
     parameters: list[str] = []
+    router_modules: list[str] = []
+    router_parameters: list[str] = []
     for block in blocks:
         router_key = "gate" if "gate" in block.block._modules else "router"
         if layout == "fused":
@@ -77,19 +83,19 @@ def moe_targets(model: torch.nn.Module, train_router: bool = False) -> MoETarget
                         break
         if train_router and block.router is not None:
             if isinstance(block.router, torch.nn.Linear):
-                if router_key not in modules:
-                    modules.append(router_key)
-            elif f"{router_key}.weight" not in parameters:
-                parameters.append(f"{router_key}.weight")
-    if parameters and not peft_takes_parameters():
+                if router_key not in router_modules:
+                    router_modules.append(router_key)
+            elif f"{router_key}.weight" not in router_parameters:
+                router_parameters.append(f"{router_key}.weight")
+    if (parameters or router_parameters) and not peft_takes_parameters():
         import peft
 
         raise ValueError(
             f"fastft.get_peft_model: {type(model).__name__} stores its experts as 3-D parameters "
-            f"({', '.join(parameters)}), which peft {peft.__version__} cannot put LoRA on; install peft>=0.17 "
-            "(LoraConfig.target_parameters), or pass target_modules for the attention only."
+            f"({', '.join(parameters + router_parameters)}), which peft {peft.__version__} cannot put LoRA on; "
+            "install peft>=0.17 (LoraConfig.target_parameters), or pass target_modules for the attention only."
         )
-    return MoETargets(tuple(modules), tuple(parameters), layout)
+    return MoETargets(tuple(modules), tuple(parameters), tuple(router_modules), tuple(router_parameters), layout)
 
 
 __all__ = ["MoETargets", "moe_targets", "peft_takes_parameters"]
