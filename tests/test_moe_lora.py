@@ -235,9 +235,17 @@ def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing
         sum((t.float() ** 2).sum() for t in logits).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     plain, checkpointed = grads
-    assert plain.keys() == checkpointed.keys() and any(".self_attn." in n for n in plain)
-    for name, grad in plain.items():
-        assert relative_error(checkpointed[name], grad) <= 1e-6, name
+    assert any(".self_attn." in n and grad.norm() > 0 for n, grad in plain.items())
+    # A parameter the router logits do not depend on (the last layer's experts) has no gradient without
+    # checkpointing; a checkpointed layer's node may give it zeros instead (transformers 4.x returns the logits from
+    # the layer): the same gradient.
+    for name in plain.keys() | checkpointed.keys():
+        expected = plain.get(name, torch.zeros_like(checkpointed.get(name, torch.zeros(0))))
+        actual = checkpointed.get(name, torch.zeros_like(expected))
+        if expected.norm() == 0:
+            assert actual.norm() == 0, name
+        else:
+            assert relative_error(actual, expected) <= 1e-6, name
 
 
 def test_attention_norms_and_loss_take_the_fused_path(moe_dir):
