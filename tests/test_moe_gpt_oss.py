@@ -94,6 +94,10 @@ def test_merged_save_reloads_and_matches(oss_dir, tmp_path):
         assert relative_error(merged(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
 
 
+@pytest.mark.skipif(
+    not _five(),
+    reason="transformers 4.x's MXFP4 loader reads the experts only as MXFP4 blocks, which no checkpoint here has",
+)
 def test_an_mxfp4_checkpoint_is_dequantised_on_load_with_a_warning(oss_dir, tmp_path, monkeypatch, caplog):
     import json
     import shutil

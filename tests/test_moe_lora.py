@@ -219,6 +219,16 @@ def test_loss_and_lora_gradients_match_stock_peft(moe_dir, kernel_path, checkpoi
     assert_moe_step_matches(model, stock, input_ids=ids, labels=ids, output_router_logits=router_logits)
 
 
+def _records_by_wrapping() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    # transformers 4.56-4.57 record router logits by swapping the routers' forward during the call: fastft's
+    # checkpointer does not see that (issue 32's note); 4.53 returns them from the layers, 5.x through a collector.
+    return Version("4.56") <= Version(transformers.__version__) < Version("5")
+
+
+@pytest.mark.xfail(_records_by_wrapping(), reason="known gap on transformers 4.56-4.57", strict=True)
 @pytest.mark.parametrize("checkpointing", [True, "offload"])
 def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing(moe_dir, checkpointing):
     # trl >= 1.15 calls the backbone itself with output_router_logits and adds the load-balancing loss: the router

@@ -181,8 +181,10 @@ def test_every_family_record_matches_the_installed_signatures():
         module_name, class_name, _ = record.target.rsplit(".", 2)
         upstream_forward = getattr(importlib.import_module(module_name), class_name).forward
         assert signature_fingerprint(upstream_forward) == record.fingerprint, name
-        # The replacement takes its arguments exactly as the upstream object it stands in for.
-        assert signature_fingerprint(record.replacement.forward) == record.fingerprint, name
+        # The replacement takes its arguments exactly as the upstream object it stands in for (a record that only
+        # reports why a part stays upstream's, gpt-oss's attention, replaces nothing).
+        if record.replacement is not None:
+            assert signature_fingerprint(record.replacement.forward) == record.fingerprint, name
 
 
 def _save_olmo(folder, tokenizer) -> str:

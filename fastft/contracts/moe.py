@@ -169,9 +169,15 @@ def _mismatch(where: str, role: str, expected: tuple[int, ...], actual: tuple[in
     )
 
 
+def experts_transposed(experts: torch.nn.Module) -> bool:
+    """Whether a fused experts module stores each expert ``[in, out]``: transformers 5 says so on the module
+    (``is_transposed``); 4.x's gpt-oss experts are stored that way without saying it."""
+    return bool(getattr(experts, "is_transposed", type(experts).__name__ == "GptOssExperts"))
+
+
 def _check_fused(block: MoEBlock, shape: MoEShape) -> None:
     e, i, h = shape.experts, shape.intermediate, shape.hidden
-    transposed = bool(getattr(block.experts, "is_transposed", False))
+    transposed = experts_transposed(block.experts)
     gate_up_expected = (e, h, 2 * i) if transposed else (e, 2 * i, h)
     down_expected = (e, i, h) if transposed else (e, h, i)
     layout = "[E, H, 2·I]" if transposed else "[E, 2·I, H]"
@@ -300,4 +306,12 @@ def check_adapter_layout(model: torch.nn.Module, adapter_keys: Iterable[str], so
     )
 
 
-__all__ = ["MoEBlock", "MoEShape", "check_adapter_layout", "check_moe_layout", "moe_blocks", "moe_shape"]
+__all__ = [
+    "MoEBlock",
+    "MoEShape",
+    "check_adapter_layout",
+    "check_moe_layout",
+    "experts_transposed",
+    "moe_blocks",
+    "moe_shape",
+]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fastft.contracts.moe import experts_transposed
 from fastft.kernels.custom_ops import compiling
 from fastft.kernels.lora_moe_experts import LoRAMoEExperts
 from fastft.kernels.lora_projection import LoRAWeights
@@ -166,8 +167,9 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
     if any(t is not None and t.requires_grad for t in (*weights, *biases)):
         return f"{name}.experts: trainable expert weights or biases (full fine-tuning) need the experts' own forward"
     # gpt-oss stores each expert [in, out] and interleaves gate and up: the kernels take [out, in] views.
-    transposed = bool(getattr(base, "is_transposed", False))
-    interleaved = getattr(base, "is_concatenated", True) is False
+    transposed = experts_transposed(base)
+    # gpt-oss's experts interleave in every release (their own gate reads gate_up[..., ::2]); 5.24 also says so.
+    interleaved = type(base).__name__ == "GptOssExperts" or getattr(base, "is_concatenated", True) is False
     projections, adapters = [], []
     for role, weight, bias in zip(_ROLES, weights, biases, strict=True):
         if transposed:
