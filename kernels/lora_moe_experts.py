@@ -17,6 +17,10 @@ Weights (transformers 5's fused layout, per expert ``e``):
 - ``down_proj [E, H, I]`` (gpt-oss's ``[E, I, H]`` as ``down_proj.transpose(1, 2)``); LoRA ``A [E, r, I]``,
   ``B [E, H, r]``; optional bias ``[E, H]``.
 
+transformers 4.x's per-expert modules come as :class:`~fastft.kernels.moe_expert_table.ExpertTable` weights in place of
+the 3-D tensors (gate's and up's ``[I, H]`` as the two parts of gate | up, down's ``[H, I]``): the grouped GEMMs read
+each expert's tensor through its address, no copy; their adapters come per call as stacks of the same shapes.
+
 A patch holds a :class:`LoRAMoEExperts` per layer (shapes checked once) and calls it with the router's outputs.
 Gradients flow to x, to the router weights (as in the stock layer, where they are multiplied into the output) and to
 every A and B; the base weights and biases are frozen.
@@ -35,6 +39,7 @@ from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_moe_math import Config, Saved, Weights, cast
 from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, autocast_dtype, autocast_off, x_dtype_error
+from fastft.kernels.moe_expert_table import ExpertTable
 from fastft.kernels.moe_gate_act import ACTIVATIONS
 from fastft.kernels.moe_route import check_router
 
@@ -51,7 +56,8 @@ class LoRAMoEExperts:
     """The experts of one MoE layer with their LoRA adapters: checked once, applied per call.
 
     Args:
-        gate_up: ``gate_up_proj [E, 2I, H]`` with optional LoRA ``A [E, r, H]`` / ``B [E, 2I, r]``, scale and bias
+        gate_up: ``gate_up_proj [E, 2I, H]`` (a tensor, or an :class:`ExpertTable` of per-expert tensors) with
+            optional LoRA ``A [E, r, H]`` / ``B [E, 2I, r]``, scale and bias
             ``[E, 2I]``; ``quant_state`` must be None (no 4-bit experts yet).
         down: ``down_proj [E, H, I]`` with optional LoRA ``A [E, r, I]`` / ``B [E, H, r]``, scale and bias ``[E, H]``.
         activation: ``"silu"`` (SwiGLU: Qwen3-MoE, Mixtral) or ``"gpt_oss"`` (gpt-oss's clamped SwiGLU
@@ -106,6 +112,7 @@ class LoRAMoEExperts:
             "config": config,
             "adapters": (gate_up.lora_a, gate_up.lora_b, down.lora_a, down.lora_b),
             "_frozen": tuple(t for t in (gate_up.weight, down.weight, gate_up.bias, down.bias) if t is not None),
+            "tables": tuple(w for w in (gate_up.weight, down.weight) if isinstance(w, ExpertTable)),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -149,6 +156,11 @@ class LoRAMoEExperts:
         if adapters is None:
             adapters = self.adapters
         if compiling():
+            if self.tables:
+                raise NotImplementedError(
+                    f"{self.name}: per-expert weights (an address table) have no custom op for torch.compile; run "
+                    "the experts' own forward while compiling (a patched model does)."
+                )
             return lora_moe_math.op(x, top_k_index, top_k_weights, **self.op_arguments(adapters))[0]
         return _apply(x, top_k_index, top_k_weights, self, *adapters)
 
@@ -166,6 +178,9 @@ class LoRAMoEExperts:
                 f"{self.name}: x must be [..., hidden] = [..., {self.hidden_size}] for experts gate_up_proj of shape "
                 f"{_shape_of(weight)}, got x of shape {_shape_of(x)}; pass the hidden states the router saw."
             )
+        for table in self.tables:
+            # A table built before model.to / .half() / param.data = ... would read freed memory.
+            table.check_current()
         check_router(self.name, x.numel() // self.hidden_size, self.num_experts, top_k_index, top_k_weights)
         if torch.is_grad_enabled():
             for t in self._frozen:

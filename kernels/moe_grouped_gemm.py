@@ -30,10 +30,30 @@ import torch
 
 from fastft.kernels import dispatch, targets
 from fastft.kernels.dispatch import tl, triton
+from fastft.kernels.moe_expert_table import ExpertTable
 from fastft.kernels.moe_route import MoERouting, block_table
 
+# A weight operand: one [E, n, K] tensor (any strides), or per-expert tensors through an address table.
+Weight = torch.Tensor | ExpertTable
 
-@triton.jit(do_not_specialize=["K", "n", "r"])
+
+@triton.jit
+def _k_loop(acc, x_tile, w_tile, row_ok, col_ok, K, stride_wk, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc += X[:, :K] W[:K, :]`` for the tile pointers at K index 0."""
+    offs_k = tl.arange(0, BLOCK_K)
+    # The tile pointers advance by one K step per iteration instead of being rebuilt from 64-bit offsets: fewer live
+    # registers, which the FMA dot of sm_75 (and fp32 operands anywhere) needs to stay clear of spilling.
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + offs_k < K
+        x = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit(do_not_specialize=["K", "n", "r", "split", "table_hi"])
 def _moe_gemm_kernel(
     x_ptr,
     src_ptr,
@@ -61,11 +81,15 @@ def _moe_gemm_kernel(
     stride_br,
     stride_bias_e,
     stride_bias_n,
+    split,
+    table_hi,
     GATHER: tl.constexpr,
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     SCATTER: tl.constexpr,
+    TABLE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,24 +109,31 @@ def _moe_gemm_kernel(
     src = tl.load(src_ptr + rows, mask=row_ok, other=0) if GATHER else rows
     # int64 offsets: N · K and E · n · K pass 2**31 for the larger models.
     offs_k = tl.arange(0, BLOCK_K)
+    cols64 = cols.to(tl.int64)
     x_tile = x_ptr + src.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_tile = (
-        w_ptr
-        + expert.to(tl.int64) * stride_we
-        + cols.to(tl.int64)[None, :] * stride_wn
-        + offs_k.to(tl.int64)[:, None] * stride_wk
-    )
+    k_first = K
+    if TABLE:
+        # Per-expert tensors (transformers 4.x's expert modules): w_ptr is an int64 table of base addresses, part 0's
+        # E then (for gate | up) part 1's; table_hi is 0 with one part, so both loads read part 0.
+        element = tl.pointer_type(y_ptr.dtype.element_ty)
+        low = tl.load(w_ptr + expert).to(element)
+        high = tl.load(w_ptr + table_hi + expert).to(element)
+        if SPLIT_K:
+            # The transposed view: part 0 holds K indices [0, split), part 1 the rest (a second loop below).
+            w_cols = low + cols64 * stride_wn
+            k_first = split
+        else:
+            # Columns [0, split) are part 0's rows, the others part 1's (split is n with one part).
+            w_cols = tl.where(cols < split, low + cols64 * stride_wn, high + (cols64 - split) * stride_wn)
+    else:
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols64 * stride_wn
+    w_tile = w_cols[None, :] + offs_k.to(tl.int64)[:, None] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The tile pointers advance by one K step per iteration instead of being rebuilt from 64-bit offsets: fewer live
-    # registers, which the FMA dot of sm_75 (and fp32 operands anywhere) needs to stay clear of spilling.
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + offs_k < K
-        x = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K * stride_wk
+    acc = _k_loop(acc, x_tile, w_tile, row_ok, col_ok, k_first, stride_wk, PRECISION, BLOCK_K)
+    if SPLIT_K:
+        w_tile = (high + cols64 * stride_wn)[None, :] + offs_k.to(tl.int64)[:, None] * stride_wk
+        acc = _k_loop(acc, x_tile + split, w_tile, row_ok, col_ok, K - split, stride_wk, PRECISION, BLOCK_K)
 
     if HAS_LORA:
         # This expert's s · (X A_eᵀ) B_eᵀ for the tile, added while the accumulator is in registers.
@@ -163,9 +194,20 @@ def _stride3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _weight_arguments(weight: Weight) -> tuple[torch.Tensor, tuple[int, int, int], int, int, bool, bool]:
+    """``(w_ptr, strides, split, table_hi, TABLE, SPLIT_K)`` of the kernel for a weight operand."""
+    if not isinstance(weight, ExpertTable):
+        return weight, _stride3(weight), 0, 0, False, False
+    experts, n, _ = weight.shape
+    two = len(weight.parts) == 2
+    split_k = two and weight.split_k is not None
+    split = (weight.split_k if split_k else weight.split) if two else n
+    return weight.table, (0, *weight.strides), split, experts if two else 0, True, split_k
+
+
 def grouped_gemm_triton(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     routing: MoERouting,
     *,
     gather: bool = False,
@@ -192,14 +234,15 @@ def grouped_gemm_triton(
     r = xa.shape[1] if has_lora else 0
     b_strides = _stride3(lora_b) if has_lora else (0, 0, 0)
     bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    w_ptr, w_strides, split, table_hi, table, split_k = _weight_arguments(weight)
     grid = (block_expert.shape[0], triton.cdiv(n, config.block_n))
     _moe_gemm_kernel[grid](
         x,
         routing.token if gather else block_start,
-        weight,
+        w_ptr,
         xa if has_lora else x,
-        lora_b if has_lora else weight,
-        bias if bias is not None else weight,
+        lora_b if has_lora else x,
+        bias if bias is not None else x,
         row_scale if row_scale is not None else x,
         out,
         routing.order if scatter else block_start,
@@ -211,15 +254,19 @@ def grouped_gemm_triton(
         r,
         float(scale),
         x.stride(0),
-        *_stride3(weight),
+        *w_strides,
         xa.stride(0) if has_lora else 0,
         *b_strides,
         *bias_strides,
+        split,
+        table_hi,
         GATHER=gather,
         HAS_LORA=has_lora,
         HAS_BIAS=bias is not None,
         ROW_SCALE=row_scale is not None,
         SCATTER=scatter,
+        TABLE=table,
+        SPLIT_K=split_k,
         # None: triton's default for 16-bit operands; fp32 is multiplied in IEEE fp32 as torch does by default.
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         BLOCK_M=config.block_m,
@@ -266,8 +313,16 @@ def group_bounds(offsets: torch.Tensor) -> list[int]:
     return offsets.tolist()
 
 
-def grouped_mm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``a[m] @ weight[e(m)]ᵀ`` for the sorted rows ``a [N, K]`` and ``weight [E, n, K]`` (any strides): ``[N, n]``."""
+def grouped_mm(a: torch.Tensor, weight: Weight, offsets: torch.Tensor) -> torch.Tensor:
+    """``a[m] @ weight[e(m)]ᵀ`` for the sorted rows ``a [N, K]`` and ``weight [E, n, K]`` (any strides, or an
+    :class:`~fastft.kernels.moe_expert_table.ExpertTable`, read one expert's tensors at a time): ``[N, n]``."""
+    if isinstance(weight, ExpertTable):
+        out = a.new_empty((a.shape[0], weight.shape[1]))
+        bounds = group_bounds(offsets)
+        for e in range(weight.shape[0]):
+            if bounds[e + 1] > bounds[e]:
+                out[bounds[e] : bounds[e + 1]] = weight.matmul(a[bounds[e] : bounds[e + 1]], e)
+        return out
     b = weight.transpose(1, 2)
     if a.shape[0] and use_grouped_mm(a, b):
         return torch._grouped_mm(a, b, offs=group_ends(offsets))
@@ -281,7 +336,7 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 
 def grouped_gemm_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     routing: MoERouting,
     *,
     gather: bool = False,
@@ -307,7 +362,7 @@ def grouped_gemm_reference(
 
 def grouped_gemm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     routing: MoERouting,
     *,
     gather: bool = False,
