@@ -1,9 +1,11 @@
-"""Qwen3-MoE and Mixtral: their attention, norms, dense MLPs and loss on the fused path; the experts as upstream's.
+"""Qwen3-MoE and Mixtral: their attention, norms, dense MLPs, loss and experts on the fused path.
 
 Attention is Qwen3's (per-head q / k norms) or Mistral's (a sliding window from the config), so the bodies in
 :mod:`fastft.patches.decoder` serve them unchanged; Qwen3-MoE's dense layers (``mlp_only_layers``) are a gated MLP.
-The sparse block (router, experts) runs upstream's forward, through peft's own LoRA on the experts
-(:mod:`fastft.loading.moe_targets`), and the patch report says so.
+The sparse block runs its router as upstream does and its experts as one fused grouped-expert LoRA node: transformers
+5.x's 3-D expert parameters through :mod:`fastft.patches.moe_experts`, 4.x's per-expert modules through
+:mod:`fastft.patches.moe_experts_4x` (address tables, no copy). What the kernels cannot serve runs upstream's
+experts, through peft's own LoRA (:mod:`fastft.loading.moe_targets`), and the patch report says which block and why.
 
 The training loss goes through the fused linear cross-entropy unless router logits are asked for
 (``output_router_logits``, from the call or the config): the auxiliary load-balancing loss needs them, so that call
@@ -25,6 +27,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
 from fastft.checkpointing import modes as checkpointing
 from fastft.checkpointing.layer import plain_layers, warn_plain_for_router_logits
+from fastft.patches import moe_experts_4x
 from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
 from fastft.patches.decoder import (
     Family,
@@ -100,6 +103,52 @@ def sparse_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> 
     run = experts_runner(self)
     out = self.experts(flat, index, weights) if run is None else run(flat, index, weights)
     return out.reshape(batch, seq, hidden)
+
+
+def sparse_block_forward_4x(upstream: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers 4.x's sparse MoE block forward (Qwen3-MoE, Mixtral; 4.53 - 4.57) with its per-expert modules on
+    the fused grouped-expert path where :mod:`fastft.patches.moe_experts_4x` can serve them, else ``upstream``.
+
+    The routing is upstream's, step for step: Mixtral's router jitter in training (drawn before the router, in place
+    on the input, as upstream does), ``self.gate`` called as a module (4.56 - 4.57 record router logits by wrapping
+    the block, and hooks on the router still run), softmax in float32, top-k, renormalised (Mixtral always, Qwen3-MoE
+    when ``norm_topk_prob``), cast to the hidden states' dtype. Returns ``(hidden_states, router_logits)`` as upstream.
+    """
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        run = moe_experts_4x.experts_runner(self)
+        if run is None:
+            return upstream(self, hidden_states)
+        batch, seq, hidden = hidden_states.shape
+        jitter = getattr(self, "jitter_noise", 0)
+        if self.training and jitter > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
+        flat = hidden_states.view(-1, hidden)
+        router_logits = self.gate(flat)
+        weights = torch.nn.functional.softmax(router_logits, dim=1, dtype=torch.float)
+        weights, index = torch.topk(weights, self.top_k, dim=-1)
+        # Qwen3-MoE renormalises when its config says so; Mixtral's block has no such switch and always does.
+        if getattr(self, "norm_topk_prob", True):
+            weights /= weights.sum(dim=-1, keepdim=True)
+        out = run(flat, index, weights.to(flat.dtype))
+        return out.reshape(batch, seq, hidden), router_logits
+
+    forward.__doc__ = sparse_block_forward_4x.__doc__
+    return forward
+
+
+class FastQwen3MoeSparseMoeBlock4(qwen3_moe.Qwen3MoeSparseMoeBlock):
+    """``Qwen3MoeSparseMoeBlock`` with its per-expert modules as one fused grouped-expert LoRA node (transformers
+    4.x)."""
+
+    forward = sparse_block_forward_4x(qwen3_moe.Qwen3MoeSparseMoeBlock.forward)
+
+
+class FastMixtralSparseMoeBlock4(mixtral.MixtralSparseMoeBlock):
+    """``MixtralSparseMoeBlock`` with its per-expert modules as one fused grouped-expert LoRA node (transformers
+    4.x)."""
+
+    forward = sparse_block_forward_4x(mixtral.MixtralSparseMoeBlock.forward)
 
 
 class FastQwen3MoeSparseMoeBlock(qwen3_moe.Qwen3MoeSparseMoeBlock):
@@ -213,35 +262,46 @@ def experts_only_on_5(family: Family) -> Callable[[torch.nn.Module], str | None]
     return applies_to
 
 
-def experts_fallbacks(fast_class: type) -> Callable[[torch.nn.Module], dict[str, str]]:
+def experts_fallbacks(
+    fast_class: type, reason: Callable[[torch.nn.Module, str], str | None] = experts_reason
+) -> Callable[[torch.nn.Module], dict[str, str]]:
     """A sparse-block record's ``fallbacks``: each patched block whose experts run upstream's way, and why."""
 
     def fallbacks(model: torch.nn.Module) -> dict[str, str]:
         found = {}
         for name, module in model.named_modules():
             if type(module) is fast_class:
-                reason = experts_reason(module, name)
-                if reason:
-                    found[f"{name}.experts"] = reason
+                why = reason(module, name)
+                if why:
+                    found[f"{name}.experts"] = why
         return found
 
     return fallbacks
 
 
-# transformers 5.x's sparse blocks; the 4.x records say why they do not apply (per-expert modules).
-for _family, _fast in ((QWEN3_MOE, FastQwen3MoeSparseMoeBlock), (MIXTRAL, FastMixtralSparseMoeBlock)):
+# The sparse blocks: transformers 4.x's per-expert modules (its block returns the router logits too) and 5.x's 3-D
+# experts. Both ranges' block forward is (self, hidden_states).
+for _family, _fast4, _fast5 in (
+    (QWEN3_MOE, FastQwen3MoeSparseMoeBlock4, FastQwen3MoeSparseMoeBlock),
+    (MIXTRAL, FastMixtralSparseMoeBlock4, FastMixtralSparseMoeBlock),
+):
     _upstream = _family.upstream_class("SparseMoeBlock")
-    for _versions in (">=4.53.3,<4.56", ">=4.56,<4.58", ">=5.5.4,<5.24", ">=5.24,<5.25"):
+    for _versions, _fast, _reason in (
+        (">=4.53.3,<4.56", _fast4, moe_experts_4x.experts_reason),
+        (">=4.56,<4.58", _fast4, moe_experts_4x.experts_reason),
+        (">=5.5.4,<5.24", _fast5, experts_reason),
+        (">=5.24,<5.25", _fast5, experts_reason),
+    ):
         register(
             PatchRecord(
                 name=f"{_family.name}.experts",
                 target=f"{_family.upstream.__name__}.{_upstream.__name__}.forward",
                 versions={"transformers": _versions},
                 fingerprint="(self, hidden_states)",
-                applies_to=experts_only_on_5(_family),
+                applies_to=model_type_only(_family.model_type),
                 apply=swap_class(_upstream, _fast),
                 replacement=_fast,
-                fallbacks=experts_fallbacks(_fast),
+                fallbacks=experts_fallbacks(_fast, _reason),
                 model_types=(_family.model_type,),
             )
         )
