@@ -268,24 +268,22 @@ def test_attention_norms_and_loss_take_the_fused_path(moe_dir):
     assert {f"{family}.rms_norm", f"{family}.attention", f"{family}.causal_lm_loss"} <= applied
 
 
-def test_experts_take_the_fused_grouped_path_on_the_fused_layout(moe_dir, monkeypatch):
-    from fastft.patches import moe_experts
+def test_experts_take_the_fused_grouped_path_in_either_layout(moe_dir, monkeypatch):
+    from fastft.patches import moe_experts, moe_experts_4x
     from fastft.registry import patch_report
 
+    # 5.x's 3-D experts and 4.x's per-expert modules each have their own runner.
+    runner = moe_experts._Fused if _layout() == "fused" else moe_experts_4x._Fused
     calls = []
-    original = moe_experts._Fused.__call__
-    monkeypatch.setattr(moe_experts._Fused, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    original = runner.__call__
+    monkeypatch.setattr(runner, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
     model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     ids = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
     model(input_ids=ids, labels=ids).loss.backward()
     row = next(r for r in patch_report(model) if r["name"] == f"{model.config.model_type}.experts")
-    if _layout() == "fused":
-        assert row["status"] == "applied" and not row.get("fallbacks")
-        assert len(calls) == 2  # one per sparse block
-    else:
-        assert row["status"] == "not applicable" and "one module per expert" in row["reason"]
-        assert not calls
+    assert row["status"] == "applied" and not row.get("fallbacks")
+    assert len(calls) == 2  # one per sparse block
 
 
 @pytest.mark.skipif(_layout() != "fused", reason="peft's LoRA on 3-D parameters exists for 5.x's layout only")

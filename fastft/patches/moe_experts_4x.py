@@ -21,6 +21,7 @@ shapes, adapters on some experts only, differing ranks or scales, and ``torch.co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,16 @@ ROLES = {
 }
 
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def roles_of(cls: type) -> tuple[str, ...] | None:
+    """The (gate, up, down) projection names of an expert class: one of :data:`ROLES` or a subclass of one
+    (fastft's own ``FastQwen3MoeMLP``, which the dense-MLP patch swaps onto Qwen3-MoE's experts too: same math)."""
+    for klass in cls.__mro__:
+        if klass.__name__ in ROLES:
+            return ROLES[klass.__name__]
+    return None
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -66,7 +77,7 @@ def _stamp(block: torch.nn.Module) -> tuple[Any, ...]:
     for expert in state["_modules"].values():
         modules = expert.__dict__["_modules"]
         parts += [id(expert), _hooked(expert), id(modules.get("act_fn"))]
-        for role in ROLES.get(type(expert).__name__, ()):
+        for role in roles_of(type(expert)) or ():
             projection = modules.get(role)
             if projection is None:
                 parts.append(None)
@@ -85,7 +96,7 @@ def _objects(block: torch.nn.Module) -> list[Any]:
     objects: list[Any] = [experts]
     for expert in experts.children():
         objects += [expert, *expert.children()]
-        for role in ROLES.get(type(expert).__name__, ()):
+        for role in roles_of(type(expert)) or ():
             projection = getattr(expert, role, None)
             if projection is not None:
                 objects += projection_objects(projection)
@@ -122,10 +133,15 @@ def _collect(experts: torch.nn.ModuleList, roles: tuple[str, ...], name: str) ->
         if isinstance(group, str):
             return f"{where}.{group}"
         for role, projection, into in zip(roles, group, collected, strict=True):
-            if quant_state_of(projection) is not None or projection.weight.dtype not in FLOAT_DTYPES:
+            if quant_state_of(projection) is not None:
                 return (
                     f"{where}.{role} is a 4-bit ({type(getattr(expert, role)).__name__}) expert: the grouped kernels "
                     "take 16 / 32-bit expert weights"
+                )
+            if projection.weight.dtype not in FLOAT_DTYPES:
+                return (
+                    f"{where}.{role}'s weight is {projection.weight.dtype}: the grouped kernels take float32 / float16 "
+                    "/ bfloat16 expert weights"
                 )
             if projection.bias is not None:
                 return f"{where}.{role} has a bias (the per-expert grouped path has none)"
@@ -190,11 +206,12 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
         return f"{name}.experts is not a ModuleList of expert MLPs"
     if _hooked(experts):
         return f"{name}.experts has forward hooks the fused path would bypass"
-    kinds = {type(expert).__name__ for expert in experts}
-    roles = ROLES.get(next(iter(kinds))) if len(kinds) == 1 else None
+    kinds = {type(expert) for expert in experts}
+    roles = roles_of(next(iter(kinds))) if len(kinds) == 1 else None
     if roles is None:
         known = " / ".join(ROLES)
-        return f"{name}.experts are {' / '.join(sorted(kinds))} (fused: {known}, all of one class)"
+        found = " / ".join(sorted(kind.__name__ for kind in kinds))
+        return f"{name}.experts are {found} (fused: {known}, all of one class)"
     collected = _collect(experts, roles, name)
     if isinstance(collected, str):
         return collected
@@ -238,4 +255,4 @@ def experts_reason(block: torch.nn.Module, name: str) -> str | None:
     return decided if isinstance(decided, str) else None
 
 
-__all__ = ["ROLES", "down_adapter", "experts_reason", "experts_runner", "gate_up_adapter"]
+__all__ = ["ROLES", "roles_of", "down_adapter", "experts_reason", "experts_runner", "gate_up_adapter"]
