@@ -184,6 +184,25 @@ def others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[],
         weight = _nf4_weight(model.intermediate, model.hidden, dtype)
         dequantize_nf4(weight.weight, weight.quant_state, dtype=dtype)
 
+    def moe_table() -> None:
+        # transformers 4.x's per-expert modules: every expert's gate, up and down its own tensor, read through address
+        # tables (the TABLE variant: gate | up split along the rows forward and along K in backward).
+        from fastft.kernels.lora_moe_experts import LoRAMoEExperts
+        from fastft.kernels.moe_expert_table import ExpertTable
+
+        experts, top_k, rank, hidden, inter = 8, 2, 16, model.hidden, model.intermediate
+        gate, up = ([_meta((inter, hidden), dtype) for _ in range(experts)] for _ in range(2))
+        down = [_meta((hidden, inter), dtype) for _ in range(experts)]
+        a1, b1 = _meta((experts, 2 * rank, hidden), dtype, True), _meta((experts, 2 * inter, 2 * rank), dtype, True)
+        a2, b2 = _meta((experts, rank, inter), dtype, True), _meta((experts, hidden, rank), dtype, True)
+        layer = LoRAMoEExperts(
+            LoRAWeights(ExpertTable([gate, up]), a1, b1, 2.0), LoRAWeights(ExpertTable([down]), a2, b2, 2.0), "silu"
+        )
+        x = _meta((TOKENS, hidden), dtype, True)
+        weights = _meta((TOKENS, top_k), dtype, True)
+        out = layer(x, _meta((TOKENS, top_k), torch.int64), weights)
+        _backward(out, [x, weights, a1, b1, a2, b2])
+
     def moe(gpt_oss: bool) -> Callable[[], None]:
         # The model's widths as 8 experts with top-2 routing and rank-16 adapters on each expert. gpt-oss's layout
         # is the transposed storage passed as views (strided weights), with biases and interleaved gate / up.
@@ -237,6 +256,7 @@ def others(model: Model, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[],
         ("dequantize_nf4", nf4),
         ("lora_moe_experts", moe(False)),
         ("lora_moe_experts gpt_oss", moe(True)),
+        ("lora_moe_experts per-expert tables", moe_table),
     )
 
 

@@ -14,6 +14,12 @@ Every weight-like operand is addressed through its three strides, so transposed 
 the backward reuses the kernel for ``dH = dY W_down`` (``W_downᵀ`` as a view), gpt-oss's ``[E, H, 2I]`` storage is
 the view ``transpose(1, 2)``, and its interleaved gate / up rows are ``[:, 0::2]`` / ``[:, 1::2]`` views.
 
+transformers 4.x keeps each expert's projections as separate tensors; with an
+:class:`~fastft.kernels.moe_expert_table.ExpertTable` as the weight (``TABLE``), ``w_ptr`` is an int64 table of the
+experts' base addresses, loaded per program and cast to a pointer (no stacked copy of the weights). Gate's and up's
+tables are the two parts of gate | up: columns ``[0, split)`` read part 0, the rest part 1; in the transposed view the
+backward reads (``dX = dGU W``) the parts split K instead, walked as two K loops (``SPLIT_K``).
+
 Programs: axis 0 walks the row blocks of :func:`fastft.kernels.moe_route.block_table` (each block one expert's rows,
 the program reads its expert from the table; unused slots exit at once), axis 1 the ``BLOCK_N`` column blocks.
 
@@ -378,7 +384,8 @@ def grouped_gemm(
     Args:
         x: ``[T, K]`` tokens when ``gather`` (row ``m`` reads token ``routing.token[m]``), else ``[N, K]`` sorted rows;
             the last dim contiguous.
-        weight: ``[E, n, K]`` in x's dtype, any strides (a transposed or sliced view of the stored weight).
+        weight: ``[E, n, K]`` in x's dtype, any strides (a transposed or sliced view of the stored weight), or an
+            :class:`~fastft.kernels.moe_expert_table.ExpertTable` of per-expert tensors (or its transpose).
         routing: The expert-sorted rows.
         gather: Read x's rows through ``routing.token``.
         xa: ``[N, r]`` LoRA-A products of the sorted rows, or None for no LoRA term.
