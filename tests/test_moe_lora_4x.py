@@ -243,3 +243,19 @@ def test_a_block_cast_after_patching_matches_upstream_or_is_refused(moe_dir, fus
         assert len(fused_calls) == 1
         name = f"{next(moe_blocks(model)).name}.experts"
         assert "torch.float64" in fallbacks[name] and "float32 / float16 / bfloat16" in fallbacks[name]
+
+
+def test_autocast_to_another_dtype_runs_upstream(moe_dir, fused_calls):
+    # The grouped GEMMs take one dtype: under autocast to bf16 an fp32 model's experts run upstream's loop, where
+    # autocast casts each expert's matmul, instead of failing on the dtype.
+    model = _lora(moe_dir)
+    block = next(moe_blocks(model)).block
+    hidden = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = block(hidden)
+        theirs, _ = type(block).__mro__[1].forward(block, hidden)
+    assert not fused_calls
+    assert torch.equal(ours, theirs)
+    with torch.no_grad():
+        block(hidden)
+    assert len(fused_calls) == 1

@@ -116,7 +116,7 @@ def sparse_block_forward_4x(upstream: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        run = moe_experts_4x.experts_runner(self)
+        run = moe_experts_4x.experts_runner(self, hidden_states)
         if run is None:
             return upstream(self, hidden_states)
         batch, seq, hidden = hidden_states.shape

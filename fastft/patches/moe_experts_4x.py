@@ -16,7 +16,8 @@ the address and dtype of every expert weight: ``model.to(...)``, ``.half()`` and
 Parameter but swap its storage, so the next call builds a new table instead of reading freed memory. Everything the
 kernels cannot do runs upstream's loop, and ``patch_report`` names the block and why: 4-bit experts, a bias, another
 activation, LoRA dropout in training, DoRA, several adapters, hooks, trainable base weights, experts of differing
-shapes, adapters on some experts only, differing ranks or scales, and ``torch.compile`` (no custom op for tables).
+shapes, adapters on some experts only, differing ranks or scales; and, per call, ``torch.compile`` (no custom op for
+tables) and autocast to another dtype than the experts' (the grouped GEMMs take one dtype).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from fastft.kernels.custom_ops import compiling
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_moe_experts import LoRAMoEExperts
-from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, quant_state_of
+from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, autocast_dtype, quant_state_of
 from fastft.kernels.moe_expert_table import ExpertTable
 from fastft.patches.lora_layers import group_weights, projection_objects, projection_stamp
 from fastft.patches.plans import planned
@@ -239,14 +240,21 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
     return _Fused(kernel, collected, inter)
 
 
-def experts_runner(block: torch.nn.Module) -> Run | None:
-    """The block's kept fused experts, or None when upstream's loop runs (the reason is in ``patch_report``)."""
+def experts_runner(block: torch.nn.Module, x: torch.Tensor) -> Run | None:
+    """The block's kept fused experts for hidden states ``x``, or None when upstream's loop runs (the reason is in
+    ``patch_report``; under ``torch.compile``, or autocast to another dtype than the experts', it runs too)."""
     if compiling():
         # The address tables have no custom op: under torch.compile the block runs upstream's loop.
         return None
     name = type(block).__name__
     decided = planned(block, _stamp(block), lambda: (_decide(block, name), _objects(block)))
-    return None if isinstance(decided, str) else decided
+    if isinstance(decided, str):
+        return None
+    autocast = autocast_dtype(x)
+    if autocast is not None and autocast != decided.experts.gate_up.weight.dtype:
+        # The grouped GEMMs take one dtype; upstream's loop lets autocast cast each expert's matmul.
+        return None
+    return decided
 
 
 def experts_reason(block: torch.nn.Module, name: str) -> str | None:
