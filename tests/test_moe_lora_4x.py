@@ -259,3 +259,28 @@ def test_autocast_to_another_dtype_runs_upstream(moe_dir, fused_calls):
     with torch.no_grad():
         block(hidden)
     assert len(fused_calls) == 1
+
+
+NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+# Up alone (gate's rows of the gate | up B are zero), gate and down without up, and gate with another rank than up
+# (the block-diagonal B is [E, 2I, 2 + 4]; alpha keeps the scales equal). Roles as (gate, up, down) indices.
+ADAPTER_LAYOUTS = {"up only": ((1,), False), "gate and down": ((0, 2), False), "ranks differ": ((0, 1, 2), True)}
+
+
+@pytest.mark.parametrize("layout", list(ADAPTER_LAYOUTS))
+def test_adapters_on_some_roles_or_of_other_ranks_match_stock(moe_dir, fused_calls, layout):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    names = NAMES[AutoConfig.from_pretrained(moe_dir).model_type]
+    roles, other_rank = ADAPTER_LAYOUTS[layout]
+    options: dict = {"target_modules": [names[role] for role in roles]}
+    if other_rank:
+        options.update(rank_pattern={names[0]: 2}, alpha_pattern={names[0]: 4})
+    model = _lora(moe_dir, **options)
+    assert not _experts_row(model).get("fallbacks")
+    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(moe_dir), LoraConfig(r=4, lora_alpha=8, **options))
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    ids = _ids(5)
+    assert_moe_step_matches(model, stock, input_ids=ids, labels=ids)
+    assert len(fused_calls) == 2
