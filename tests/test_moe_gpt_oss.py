@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import assert_moe_step_matches, count, graph_nodes, stock_like
+from parity import assert_backbone_router_logits_match, assert_moe_step_matches, count, graph_nodes, stock_like
 
 from fastft import FastModel
 from fastft.registry import patch_report
@@ -69,6 +69,11 @@ def test_loss_and_lora_gradients_match_stock_peft(oss_dir, kernel_path, checkpoi
     model, _ = _ours(oss_dir, checkpointing)
     ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     assert_moe_step_matches(model, stock_like(model, oss_dir), input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing(oss_dir, checkpointing):
+    assert_backbone_router_logits_match(oss_dir, checkpointing, VOCAB)
 
 
 def test_report_says_what_runs_fused(oss_dir):
