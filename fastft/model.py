@@ -112,8 +112,9 @@ class FastModel:
         renamed when complete, so an interrupted export leaves no partial file.
 
         Args:
-            model: A Llama-architecture model from :meth:`get_peft_model` (or :meth:`from_pretrained`, or an
-                already merged model), in any dtype, 4-bit included.
+            model: A Llama-architecture, Qwen3-MoE or Mixtral model from :meth:`get_peft_model` (or
+                :meth:`from_pretrained`, or an already merged model), in any dtype, 4-bit included. MoE experts are
+                written stacked, as llama.cpp reads them.
             tokenizer: Its byte-level BPE tokenizer (Llama 3, SmolLM, GPT-2 style); vocabulary, merges, special
                 tokens and chat template go into the file.
             path: A ``.gguf`` file path, or a folder (created if missing) in which the file is named
@@ -125,8 +126,10 @@ class FastModel:
             The path of the written file.
 
         Raises:
-            ValueError: A non-Llama model, a tokenizer that is not byte-level BPE, an unknown quantization, or
-                merged weights that are not finite (or exceed float16's range with ``"f16"``).
+            ValueError: Another architecture, a config llama.cpp would compute differently (Qwen3-MoE's dense
+                layers or unnormalised top-k weights), a tokenizer that is not byte-level BPE, an unknown
+                quantization, or merged weights that are not finite (or exceed float16's range with ``"f16"``).
+            ShapeContractError: Expert tensors that disagree with the config.
             NotImplementedError: A rope scaling other than default, linear or llama3.
             ImportError: The ``gguf`` package is missing.
         """

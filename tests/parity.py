@@ -259,3 +259,31 @@ def assert_moe_step_matches(model, stock, **inputs) -> None:
     for name, grad in actual.items():
         assert expected[name].norm() > 0, name
         assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+
+
+def assert_backbone_router_logits_match(folder, checkpointing, vocab: int) -> None:
+    """The backbone called with ``output_router_logits`` (as trl >= 1.15 does for its load-balancing loss) under
+    ``checkpointing``: the router logits carry the gradient they carry without checkpointing."""
+    ids = torch.randint(4, vocab, (2, 12), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for mode in (False, checkpointing):
+        model, _ = FastModel.from_pretrained(str(folder), max_seq_length=64, dtype=torch.float32)
+        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=mode)
+        randomize_lora_b(model)
+        out = model.get_base_model().model(input_ids=ids, output_router_logits=True)
+        logits = out.router_logits
+        assert logits and all(t.requires_grad for t in logits)
+        sum((t.float() ** 2).sum() for t in logits).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, checkpointed = grads
+    assert any(".self_attn." in n and grad.norm() > 0 for n, grad in plain.items())
+    # A parameter the router logits do not depend on (the last layer's experts) has no gradient without
+    # checkpointing; a checkpointed layer's node may give it zeros instead (transformers 4.x returns the logits from
+    # the layer): the same gradient.
+    for name in plain.keys() | checkpointed.keys():
+        expected = plain.get(name, torch.zeros_like(checkpointed.get(name, torch.zeros(0))))
+        actual = checkpointed.get(name, torch.zeros_like(expected))
+        if expected.norm() == 0:
+            assert actual.norm() == 0, name
+        else:
+            assert relative_error(actual, expected) <= 1e-6, name

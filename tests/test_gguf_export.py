@@ -372,7 +372,7 @@ def test_refusals_and_atomic_write(tiny_dirs, tmp_path, monkeypatch):
             num_key_value_heads=2,
         )
     )
-    with pytest.raises(ValueError, match=r"only Llama-architecture.*model_type 'qwen2'"):
+    with pytest.raises(ValueError, match=r"exports Llama-architecture, Mixtral and Qwen3-MoE.*model_type 'qwen2'"):
         FastModel.save_gguf(qwen, tokenizer, tmp_path)
     word_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
     with pytest.raises(ValueError, match="only byte-level BPE tokenizers"):

@@ -1,5 +1,6 @@
 """gpt-oss: experts stored transposed with gate / up interleaved, biases and a clamped SwiGLU, on the fused
-grouped-expert path (transformers 5.x); norms and loss fused; attention upstream's (learned sinks). Parity with
+grouped-expert path (transformers 5.x); norms, attention (learned sinks, half-width rotary tables, per-layer
+windows) and loss fused. Parity with
 transformers + peft on both kernel paths, in every checkpointing mode."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import assert_moe_step_matches, stock_like
+from parity import assert_backbone_router_logits_match, assert_moe_step_matches, count, graph_nodes, stock_like
 
 from fastft import FastModel
 from fastft.registry import patch_report
@@ -70,12 +71,20 @@ def test_loss_and_lora_gradients_match_stock_peft(oss_dir, kernel_path, checkpoi
     assert_moe_step_matches(model, stock_like(model, oss_dir), input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing(oss_dir, checkpointing):
+    assert_backbone_router_logits_match(oss_dir, checkpointing, VOCAB)
+
+
 def test_report_says_what_runs_fused(oss_dir):
     model, _ = _ours(oss_dir)
     rows = {row["name"]: row for row in patch_report(model)}
     assert rows["gpt_oss.rms_norm"]["status"] == rows["gpt_oss.causal_lm_loss"]["status"] == "applied"
-    assert rows["gpt_oss.attention"]["status"] == "not applicable"
-    assert "sinks" in rows["gpt_oss.attention"]["reason"]
+    assert rows["gpt_oss.attention"]["status"] == "applied" and not rows["gpt_oss.attention"]["fallbacks"]
+    # One fused q / k / v + RoPE node and one LoRA-O node per layer behind the loss.
+    ids = torch.randint(4, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    names = graph_nodes(model(input_ids=ids, labels=ids).loss)
+    assert count(names, "LoRAQKV") == count(names, "LoRAO") == 2, sorted(set(names))
     if _five():
         assert rows["gpt_oss.experts"]["status"] == "applied" and not rows["gpt_oss.experts"]["fallbacks"]
     else:
@@ -124,3 +133,16 @@ def test_an_mxfp4_checkpoint_is_dequantised_on_load_with_a_warning(oss_dir, tmp_
     assert any("stores its experts in MXFP4" in record.getMessage() for record in caplog.records)
     experts = model.model.layers[0].mlp.experts
     assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.dtype == torch.float32
+
+
+def test_greedy_generation_with_the_cache_matches_stock(oss_dir):
+    # The KV cache and the per-layer windows on the fused attention: 12 tokens past an 8-token window.
+    model, _ = _ours(oss_dir)
+    stock = stock_like(model, oss_dir)
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for candidate in (model, stock):
+        candidate.eval()
+        with torch.no_grad():
+            outputs.append(candidate.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0))
+    assert torch.equal(outputs[0], outputs[1])

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import assert_moe_step_matches, stock_like
+from parity import assert_backbone_router_logits_match, assert_moe_step_matches, stock_like
 from safetensors.torch import save_file
 
 from fastft import FastModel
@@ -219,43 +219,10 @@ def test_loss_and_lora_gradients_match_stock_peft(moe_dir, kernel_path, checkpoi
     assert_moe_step_matches(model, stock, input_ids=ids, labels=ids, output_router_logits=router_logits)
 
 
-def _records_by_wrapping() -> bool:
-    import transformers
-    from packaging.version import Version
-
-    # transformers 4.56-4.57 record router logits by swapping the routers' forward during the call: fastft's
-    # checkpointer does not see that (issue 32's note); 4.53 returns them from the layers, 5.x through a collector.
-    return Version("4.56") <= Version(transformers.__version__) < Version("5")
-
-
-@pytest.mark.xfail(_records_by_wrapping(), reason="known gap on transformers 4.56-4.57", strict=True)
 @pytest.mark.parametrize("checkpointing", [True, "offload"])
 def test_router_logits_from_the_backbone_keep_their_gradient_under_checkpointing(moe_dir, checkpointing):
-    # trl >= 1.15 calls the backbone itself with output_router_logits and adds the load-balancing loss: the router
-    # logits must carry the same gradient as without checkpointing.
-    ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
-    grads = []
-    for mode in (False, checkpointing):
-        model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
-        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=mode)
-        randomize_lora_b(model)
-        out = model.get_base_model().model(input_ids=ids, output_router_logits=True)
-        logits = out.router_logits
-        assert logits and all(t.requires_grad for t in logits)
-        sum((t.float() ** 2).sum() for t in logits).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    plain, checkpointed = grads
-    assert any(".self_attn." in n and grad.norm() > 0 for n, grad in plain.items())
-    # A parameter the router logits do not depend on (the last layer's experts) has no gradient without
-    # checkpointing; a checkpointed layer's node may give it zeros instead (transformers 4.x returns the logits from
-    # the layer): the same gradient.
-    for name in plain.keys() | checkpointed.keys():
-        expected = plain.get(name, torch.zeros_like(checkpointed.get(name, torch.zeros(0))))
-        actual = checkpointed.get(name, torch.zeros_like(expected))
-        if expected.norm() == 0:
-            assert actual.norm() == 0, name
-        else:
-            assert relative_error(actual, expected) <= 1e-6, name
+    # trl >= 1.15 calls the backbone itself with output_router_logits and adds the load-balancing loss.
+    assert_backbone_router_logits_match(moe_dir, checkpointing, VOCAB)
 
 
 def test_attention_norms_and_loss_take_the_fused_path(moe_dir):

@@ -9,10 +9,13 @@ a temporary name and renamed when complete.
 
 What a loader needs, and where it comes from:
 
-- tensor names: the ``gguf`` package's own Llama name map (``blk.N.attn_q.weight`` ...), the same map transformers
-  inverts when it loads a GGUF;
-- q and k rows: transformers' Llama rotates the two halves of each head, llama.cpp rotates adjacent pairs, so the
-  rows of each head are interleaved here and transformers' GGUF loader undoes exactly that on load;
+- the architecture (:mod:`fastft.export.gguf_arch`): Llama, Mixtral (llama.cpp's ``llama`` with experts) or Qwen3-MoE
+  (``qwen3moe``), with its required tensors, its metadata and, for MoE models, the experts stacked per layer;
+- tensor names: the ``gguf`` package's own name map for that architecture (``blk.N.attn_q.weight`` ...), the same
+  map transformers inverts when it loads a GGUF;
+- q and k rows: transformers' Llama rotates the two halves of each head, llama.cpp's ``llama`` rotates adjacent
+  pairs, so the rows of each head are interleaved here and transformers' GGUF loader undoes exactly that on load
+  (``qwen3moe`` rotates halves, as transformers does: its rows are kept);
 - tied embeddings: no ``output.weight`` tensor, which both llama.cpp and transformers read as "tied";
 - the tokenizer: byte-level BPE (``tokenizer.ggml.model = "gpt2"``): tokens, token types, merges, the special ids,
   whether BOS / EOS are added, the pre-tokenizer name and the chat template.
@@ -27,6 +30,7 @@ import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -37,6 +41,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastft.export.file_modes import as_if_created
+from fastft.export.gguf_arch import ARCHES, Arch, PlannedTensor, expert_tensors, write_expert_metadata
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
 
@@ -93,13 +98,16 @@ def _progress_bars_enabled() -> bool:
     return hf_logging.is_progress_bar_enabled()
 
 
-def _check_llama(base: PreTrainedModel) -> None:
+def _check_model(base: PreTrainedModel) -> Arch:
+    """The model's exported architecture, or a refusal naming what does not fit it."""
     model_type = getattr(base.config, "model_type", None)
-    if model_type != "llama":
+    arch = ARCHES.get(model_type)
+    if arch is None:
         raise ValueError(
-            f"fastft.save_gguf: only Llama-architecture models (config.model_type 'llama') can be exported; this "
-            f"{type(base).__name__} has model_type {model_type!r}. Save it with FastModel.save_merged and convert "
-            "that folder with llama.cpp's convert_hf_to_gguf.py."
+            f"fastft.save_gguf: exports Llama-architecture, Mixtral and Qwen3-MoE models (config.model_type "
+            f"{', '.join(repr(name) for name in ARCHES)}); this {type(base).__name__} has model_type "
+            f"{model_type!r}. Save it with FastModel.save_merged and convert that folder with llama.cpp's "
+            "convert_hf_to_gguf.py."
         )
     inner = getattr(base, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(base, "lm_head"):
@@ -110,8 +118,9 @@ def _check_llama(base: PreTrainedModel) -> None:
     extra = {name for name, _ in inner.named_children()} - _LLAMA_CHILDREN
     if extra:
         raise ValueError(
-            f"fastft.save_gguf: {type(inner).__name__} has submodules {sorted(extra)} that a Llama GGUF has no "
-            f"tensors for (expected only {sorted(_LLAMA_CHILDREN)}); export with FastModel.save_merged instead."
+            f"fastft.save_gguf: {type(inner).__name__} has submodules {sorted(extra)} that a {arch.gguf_arch.lower()} "
+            f"GGUF has no tensors for (expected only {sorted(_LLAMA_CHILDREN)}); export with FastModel.save_merged "
+            "instead."
         )
     if len(inner.layers) != base.config.num_hidden_layers:
         raise ValueError(
@@ -120,7 +129,11 @@ def _check_llama(base: PreTrainedModel) -> None:
         )
     act = getattr(base.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ValueError(f"fastft.save_gguf: llama.cpp's Llama uses SiLU; this config has hidden_act={act!r}.")
+        raise ValueError(
+            f"fastft.save_gguf: llama.cpp's {arch.gguf_arch.lower()} uses SiLU; this config has hidden_act={act!r}."
+        )
+    arch.check(base.config)
+    return arch
 
 
 def _head_dim(config: Any) -> int:
@@ -152,7 +165,7 @@ def _rope(base: PreTrainedModel) -> tuple[float, str, dict[str, Any]]:
             "save with FastModel.save_merged and convert with llama.cpp's convert_hf_to_gguf.py."
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("fastft.save_gguf: a partial rotary factor is not supported for Llama GGUF export.")
+        raise NotImplementedError("fastft.save_gguf: a partial rotary factor is not supported for GGUF export.")
     return theta, rope_type, params
 
 
@@ -179,28 +192,35 @@ def _interleave_rotary_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _gguf_tensors(base: PreTrainedModel, gguf: Any) -> Iterator[tuple[str, MergedTensor]]:
-    """``(gguf_name, merged tensor)`` for every weight of the merged model, nothing merged yet."""
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, base.config.num_hidden_layers)
+def _gguf_tensors(base: PreTrainedModel, gguf: Any, arch: Arch) -> list[PlannedTensor]:
+    """Every tensor of the file, in the merge plan's order (stacked experts where their layer's were), nothing
+    merged yet."""
+    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), base.config.num_hidden_layers)
     plan = merge_plan(base)
     if plan.untied:
         # An adapter on the head or the embeddings unties them; both are written so neither update is lost.
         logger.info("fastft.save_gguf: an adapter changed the tied head or embeddings; writing both.")
-    for tensor in plan.tensors:
+    merged = plan.tensors
+    experts: list[PlannedTensor] = []
+    if arch.experts:
+        experts, merged = expert_tensors(arch, base.config, merged)
+    planned = []
+    for tensor in merged:
         gguf_name = name_map.get_name(tensor.name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(
-                f"fastft.save_gguf: the merged tensor {tensor.name} {tensor.shape} has no Llama GGUF name; "
-                "export this model with FastModel.save_merged instead."
+                f"fastft.save_gguf: the merged tensor {tensor.name} {tensor.shape} has no "
+                f"{arch.gguf_arch.lower()} GGUF name; export this model with FastModel.save_merged instead."
             )
-        yield gguf_name, tensor
+        planned.append(PlannedTensor(gguf_name, tensor.shape, partial(_blocks, tensor, gguf_name, base.config, arch)))
+    return planned + experts
 
 
-def _blocks(tensor: MergedTensor, gguf_name: str, config: Any) -> Iterator[torch.Tensor]:
+def _blocks(tensor: MergedTensor, gguf_name: str, config: Any, arch: Arch) -> Iterator[torch.Tensor]:
     """The merged tensor as blocks of rows, in llama.cpp's row order."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+    if arch.interleave_rotary and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
         # Rows are permuted within each head, so the projection is merged whole (one projection, not the model).
         yield _interleave_rotary_rows(tensor.whole(), heads if ".attn_q." in gguf_name else kv_heads)
         return
@@ -209,8 +229,9 @@ def _blocks(tensor: MergedTensor, gguf_name: str, config: Any) -> Iterator[torch
 
 def _tensor_type(gguf: Any, shape: tuple[int, ...], quantization: str, name: str) -> Any:
     types = gguf.GGMLQuantizationType
-    if len(shape) == 1:
-        # Norm weights and biases stay float32 in every llama.cpp file type.
+    if len(shape) == 1 or ".ffn_gate_inp." in name:
+        # Norm weights and biases stay float32 in every llama.cpp file type, and so does the MoE router, as
+        # llama.cpp's converter and quantiser keep it: rounding it would change which experts a token picks.
         return types.F32
     if quantization == "q8_0":
         block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
@@ -380,7 +401,9 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: PreTrainedTokenizerBase,
         logger.info("fastft.save_gguf: the tokenizer has no chat template; none is written.")
 
 
-def _write_model_metadata(writer: Any, gguf: Any, base: PreTrainedModel, stem: str, quantization: str) -> None:
+def _write_model_metadata(
+    writer: Any, gguf: Any, base: PreTrainedModel, arch: Arch, stem: str, quantization: str
+) -> None:
     config = base.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -404,10 +427,13 @@ def _write_model_metadata(writer: Any, gguf: Any, base: PreTrainedModel, stem: s
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(base.model.embed_tokens.weight.shape[0]))
-    if head_dim * heads != config.hidden_size:
-        # llama.cpp assumes head_dim = hidden / heads unless told otherwise.
+    if head_dim * heads != config.hidden_size or arch.head_norms:
+        # llama.cpp assumes head_dim = hidden / heads unless told otherwise (and transformers' Qwen3 loader reads
+        # head_dim from it, else taking the config class's default).
         writer.add_key_length(int(head_dim))
         writer.add_value_length(int(head_dim))
+    if arch.experts:
+        write_expert_metadata(writer, arch, config)
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(params["factor"]))
@@ -438,20 +464,18 @@ def save_gguf(
             "from FastModel.from_pretrained."
         )
     base: PreTrainedModel = model.get_base_model() if isinstance(model, PeftModel) else model
-    _check_llama(base)
+    arch = _check_model(base)
     stem = _model_stem(base)
     out = _output_file(path, stem, quantization)
     out.parent.mkdir(parents=True, exist_ok=True)
     progress = _progress_bars_enabled()
     logger.info("fastft.save_gguf: writing %s (%s)", out, quantization)
 
-    tensors = list(_gguf_tensors(base, gguf))
-    names = {name for name, _ in tensors}
+    tensors = _gguf_tensors(base, gguf, arch)
+    names = {tensor.name for tensor in tensors}
     required = {"token_embd.weight", "output_norm.weight"}
     for block in range(base.config.num_hidden_layers):
-        for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up"):
-            required.add(f"blk.{block}.{part}.weight")
-        required.add(f"blk.{block}.ffn_down.weight")
+        required.update(f"blk.{block}.{part}.weight" for part in arch.layer_tensors())
     missing = sorted(required - names)
     if missing:
         raise ValueError(f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)}).")
@@ -461,8 +485,8 @@ def save_gguf(
     os.close(partial_fd)
     writer: gguf_types.GGUFWriter | None = None
     try:
-        writer = gguf.GGUFWriter(partial_name, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-        _write_model_metadata(writer, gguf, base, stem, quantization)
+        writer = gguf.GGUFWriter(partial_name, arch=gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.gguf_arch)])
+        _write_model_metadata(writer, gguf, base, arch, stem, quantization)
         _write_tokenizer(writer, gguf, tokenizer, int(base.model.embed_tokens.weight.shape[0]))
 
         stored: list[_Stored] = []
@@ -473,10 +497,9 @@ def save_gguf(
                 factors = _rope_frequency_factors(base, theta, _head_dim(base.config))
                 f32 = gguf.GGMLQuantizationType.F32
                 stored.append(_store(gguf, "rope_freqs.weight", tuple(factors.shape), [factors], f32, scratch))
-            for name, tensor in tqdm(tensors, desc="fastft: merging for GGUF", unit="tensor", disable=not progress):
-                ggml_type = _tensor_type(gguf, tensor.shape, quantization, name)
-                blocks = _blocks(tensor, name, base.config)
-                stored.append(_store(gguf, name, tensor.shape, blocks, ggml_type, scratch))
+            for tensor in tqdm(tensors, desc="fastft: merging for GGUF", unit="tensor", disable=not progress):
+                ggml_type = _tensor_type(gguf, tensor.shape, quantization, tensor.name)
+                stored.append(_store(gguf, tensor.name, tensor.shape, tensor.blocks(), ggml_type, scratch))
 
         for entry in stored:
             writer.add_tensor_info(entry.name, entry.byte_shape, np.dtype(np.uint8), entry.nbytes, entry.ggml_type)

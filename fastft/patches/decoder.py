@@ -65,6 +65,12 @@ class Family:
             splits at heads · head_dim, kv_heads · head_dim, kv_heads · head_dim.
         mlp: The gate, up, down projection names, or a packed gate_up and down (``("gate_up_proj", "down_proj")``).
         o: The output projection's name.
+        half_rotary_tables: The rotary embedding hands out ``cos`` / ``sin`` for one half of each head (gpt-oss,
+            which rotates ``(x1, x2)`` halves with them): the same rotation as Llama's ``rotate_half`` with the
+            tables repeated, which is what the fused path is given.
+        call_kwargs: Extra keyword arguments for the attention function read from the module on every call
+            (gpt-oss's learned sinks, ``s_aux``), so a parameter swapped after the plan was made is still the one
+            used.
     """
 
     name: str
@@ -77,6 +83,8 @@ class Family:
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     o: tuple[str, ...] = field(default=("o_proj",))
+    half_rotary_tables: bool = False
+    call_kwargs: Callable[[torch.nn.Module], dict[str, Any]] | None = None
 
     def upstream_class(self, part: str) -> type:
         """The upstream class of one part (``"RMSNorm"``, ``"Attention"``, ``"MLP"``, ``"ForCausalLM"``)."""
@@ -264,15 +272,20 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
     cache_name = next((name for name in _CACHE_NAMES if name in signature.parameters), None)
     # 4.56–4.57 still take the pre-4.56 name, and 5.24 the pre-5.24 one, through a deprecation shim; so does this.
     old_names = tuple(name for name in _CACHE_NAMES if name != cache_name)
+    half_tables, call_kwargs = family.half_rotary_tables, family.call_kwargs
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         named, extra = reader.read(self, args, kwargs)
         hidden_states = named["hidden_states"]
         cos, sin = named["position_embeddings"]
+        if half_tables:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         cache = named.get(cache_name) if cache_name else None
         for name in old_names:
             shim = extra.pop(name, None)
             cache = shim if cache is None else cache
+        if call_kwargs is not None:
+            extra.update(call_kwargs(self))
 
         plan = attention_plan(family, self)
         if plan.rotary is not None and hidden_states.dim() == 3 and cos.shape[-1] == self.head_dim:

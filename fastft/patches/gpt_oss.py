@@ -10,8 +10,10 @@
   upstream's (the report says so).
 - Loss: the fused linear cross-entropy, upstream's own forward when router logits are asked for
   (:func:`fastft.patches.moe.moe_causal_lm_forward`).
-- Attention stays upstream's, with peft's LoRA on q / k / v / o: its learned attention sinks (``s_aux``) and its
-  half-width rotary tables are not what the fused attention path computes.
+- Attention: the fused LoRA-QKV (with gpt-oss's q / k / v biases), RoPE and LoRA-O kernels around upstream's own
+  attention function, which takes the learned sinks (``s_aux``, read from the module on every call) and the layer's
+  sliding window. gpt-oss's rotary embedding hands out half-width tables and rotates the two halves of each head
+  with them; repeated to full width they give exactly Llama's ``rotate_half`` rotation, which the fused path runs.
 
 gpt-oss's hub checkpoints store the experts in MXFP4, which transformers dequantises on load where it has no MXFP4
 kernel (CPU, pre-Hopper GPUs); fastft trains those dequantised 16-bit experts.
@@ -24,7 +26,14 @@ from collections.abc import Callable
 import torch
 
 from fastft.kernels import rms_norm
-from fastft.patches.decoder import Family, loss_fallbacks, model_type_only, swap_class
+from fastft.patches.decoder import (
+    Family,
+    attention_forward,
+    group_fallbacks,
+    loss_fallbacks,
+    model_type_only,
+    swap_class,
+)
 from fastft.patches.llama import renamed_cache
 from fastft.patches.moe import CAUSAL_LM_5, CAUSAL_LM_456, experts_fallbacks, experts_only_on_5, moe_causal_lm_forward
 from fastft.patches.moe_experts import experts_runner
@@ -51,16 +60,30 @@ def gpt_oss_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) ->
     return out.reshape(batch, seq, hidden), scores
 
 
-def _attention_reason(model: torch.nn.Module) -> str | None:
-    reason = model_type_only("gpt_oss")(model)
-    return reason or (
-        "gpt-oss's attention adds learned sinks and rotates with half-width tables: upstream's attention runs, with "
-        "peft's LoRA on q / k / v / o"
-    )
+def _window(module: torch.nn.Module) -> dict[str, int | None]:
+    # The layer's own window: None on full-attention layers, the config's on sliding ones.
+    return {"sliding_window": module.sliding_window}
+
+
+def _sinks(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {"s_aux": module.sinks}
 
 
 if gpt_oss is not None:
-    GPT_OSS = Family(name="gpt_oss", model_type="gpt_oss", upstream=gpt_oss, prefix="GptOss")
+    GPT_OSS = Family(
+        name="gpt_oss",
+        model_type="gpt_oss",
+        upstream=gpt_oss,
+        prefix="GptOss",
+        attention_kwargs=_window,
+        half_rotary_tables=True,
+        call_kwargs=_sinks,
+    )
+
+    class FastGptOssAttention(gpt_oss.GptOssAttention):
+        """``GptOssAttention`` with the fused LoRA-QKV, RoPE and LoRA-O kernels (sinks and window passed on)."""
+
+        forward = attention_forward(GPT_OSS, gpt_oss.GptOssAttention)
 
     class FastGptOssRMSNorm(gpt_oss.GptOssRMSNorm):
         """``GptOssRMSNorm`` through the fused RMSNorm kernel (weight applied in fp32)."""
@@ -91,11 +114,12 @@ if gpt_oss is not None:
         "(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs)",
     )
     _only = model_type_only("gpt_oss")
+    _GROUPS = {".qkv": GPT_OSS.qkv, ".o_proj": GPT_OSS.o}
     _parts: tuple[tuple[str, str, type | None, Callable, Callable | None], ...] = (
         ("rms_norm", "RMSNorm", FastGptOssRMSNorm, _only, None),
         ("experts", "MLP", FastGptOssMLP, experts_only_on_5(GPT_OSS), experts_fallbacks(FastGptOssMLP)),
         ("causal_lm_loss", "ForCausalLM", FastGptOssForCausalLM, _only, loss_fallbacks(FastGptOssForCausalLM)),
-        ("attention", "Attention", None, _attention_reason, None),
+        ("attention", "Attention", FastGptOssAttention, _only, group_fallbacks((FastGptOssAttention,), _GROUPS)),
     )
     for (_versions, _causal_lm), _attention in zip(_RANGES, _ATTENTION, strict=True):
         for _part, _suffix, _fast, _applies, _fallbacks in _parts:
@@ -108,9 +132,10 @@ if gpt_oss is not None:
                     versions={"transformers": _versions},
                     fingerprint=_fingerprint,
                     applies_to=_applies,
-                    apply=swap_class(_upstream, _fast) if _fast is not None else (lambda model: 0),
+                    apply=swap_class(_upstream, _fast),
                     replacement=_fast,
                     fallbacks=_fallbacks,
+                    gemm_groups=("qkv", "o") if _part == "attention" else (),
                     model_types=("gpt_oss",),
                 )
             )
