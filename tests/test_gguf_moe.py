@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
 from test_gguf_export import _small_tokenizer
+from test_moe_lora import HIDDEN, TOP_K, E
+from test_moe_lora import _config as moe_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastft import FastModel
@@ -20,7 +22,7 @@ from fastft.loading.dtypes import _DTYPE_KWARG
 
 pytestmark = pytest.mark.lane
 
-E, TOP_K, HIDDEN, WIDTH = 4, 2, 32, 64
+WIDTH = 64
 
 
 def _transformers_reads(family: str) -> bool:
@@ -32,27 +34,13 @@ def _transformers_reads(family: str) -> bool:
 
 
 def _config(family: str, tokenizer, **overrides):
-    import transformers
-
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    # test_moe_lora's tiny configs with the small tokenizer's vocabulary, an untied head, experts WIDTH wide; Qwen3-MoE
+    # renormalises its top-k weights, as llama.cpp's qwen3moe (and Qwen3-30B-A3B's config) does.
     if family == "qwen3_moe":
-        # llama.cpp's qwen3moe renormalises the top-k weights, as Qwen3-30B-A3B's config asks.
-        common.update(head_dim=8, intermediate_size=96, moe_intermediate_size=WIDTH, num_experts=E)
-        common.update(norm_topk_prob=True)
-        common.update(overrides)
-        return transformers.Qwen3MoeConfig(**common)
-    common.update(intermediate_size=WIDTH, num_local_experts=E)
-    common.update(overrides)
-    return transformers.MixtralConfig(**common)
+        sizes = dict(intermediate_size=96, moe_intermediate_size=WIDTH, norm_topk_prob=True)
+    else:
+        sizes = dict(intermediate_size=WIDTH)
+    return moe_config(family, vocab_size=len(tokenizer), tie_word_embeddings=False, **{**sizes, **overrides})
 
 
 def _save(folder, family: str, tokenizer, **overrides) -> str:
