@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
@@ -29,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.checkpointing.offload import OffloadEngine, ParkedTensor
 from fastft.checkpointing.replay import ReplayedInput, Segment
+from fastft.checkpointing.router_logits import layer_routers, recording_router_logits
 from fastft.kernels.custom_ops import direct_apply
 
 _Path = tuple[str, "int | None"]
@@ -498,12 +498,12 @@ class LayerCheckpoint:
             setattr(layer, _WALK_ATTR, walk)
         self.layer_parameters: LayerParameters = walk
         self._owner = f"{type(layer).__name__} {slot}"
-        self._routers = _routers(layer) if _OUTPUT_COLLECTOR is None else ()
+        self._routers = layer_routers(layer)
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             function = functools.partial(function, **kwargs)
-        if not torch.is_grad_enabled() or _PLAIN[0] or _recording_router_logits(self._routers):
+        if not torch.is_grad_enabled() or _PLAIN[0] or recording_router_logits(self._routers):
             return function(*args)
         parameters = self.layer_parameters.trainable()
         tensors = [item for item in args if isinstance(item, torch.Tensor)]
@@ -546,67 +546,6 @@ class LayerCheckpoint:
 # Open plain_layers() blocks: while any is open, every checkpointed layer runs as plain autograd.
 _PLAIN = [0]
 
-try:
-    # transformers 5 collects an MoE model's router logits with forward hooks into this context variable while the
-    # model's forward runs; trl >= 1.15 asks for them itself (its load-balancing loss) without the causal-LM forward.
-    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
-except ImportError:  # transformers 4.x returns them from the layers, through fastft's MoE causal-LM forward
-    _OUTPUT_COLLECTOR = None
-_WARNED: list[bool] = []
-# fastft.checkpoint's logger: the name the checkpointing modes log under.
-logger = logging.getLogger("fastft.checkpoint")
-
-
-def warn_plain_for_router_logits() -> None:
-    """Say once that layers run without checkpointing while router logits are recorded, and what that costs."""
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning(
-            "fastft: router logits are being recorded (output_router_logits, or trl's load-balancing loss), so the "
-            "MoE layers run without activation checkpointing while they are: the auxiliary loss needs their "
-            "gradient. More activation memory; set output_router_logits=False (trl: router_aux_loss_coef=0) to "
-            "train with checkpointing."
-        )
-
-
-def _routers(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
-    """The modules whose outputs carry the layer's router logits: each sparse block (Qwen3-MoE, Mixtral record its
-    second output) and its router (gpt-oss records the router's), as the block holds it and unwrapped from peft."""
-    from fastft.contracts.moe import moe_blocks
-
-    found: list[torch.nn.Module] = []
-    for block in moe_blocks(layer):
-        children = block.block._modules
-        for router in (block.block, children.get("gate", children.get("router")), block.router):
-            if router is not None and all(router is not seen for seen in found):
-                found.append(router)
-    return tuple(found)
-
-
-def _captured(router: torch.nn.Module) -> bool:
-    # transformers 4.56-4.57 record outputs by setting a module's forward to its capture wrapper for the call (other
-    # libraries that set an instance forward, accelerate's device hooks among them, are not this).
-    forward = router.__dict__.get("forward")
-    code = getattr(forward, "__code__", None)
-    return code is not None and code.co_name == "wrapped_forward" and "transformers" in code.co_filename
-
-
-def _recording_router_logits(routers: tuple[torch.nn.Module, ...] = ()) -> bool:
-    """Whether the running forward records router logits: a checkpointed layer's first pass runs without grad, so
-    the auxiliary loss would get them detached; the layer then runs as plain autograd (a warning says so once).
-
-    transformers 5 collects them into a context variable; 4.56-4.57 swap the routers' forward (``routers``: the
-    layer's, looked up once); 4.53 returns them from the layers, which fastft's MoE causal-LM forward handles.
-    """
-    if routers and any(_captured(router) for router in routers):
-        warn_plain_for_router_logits()
-        return True
-    collected = None if _OUTPUT_COLLECTOR is None else _OUTPUT_COLLECTOR.get()
-    if not collected or "router_logits" not in collected:
-        return False
-    warn_plain_for_router_logits()
-    return True
-
 
 @contextlib.contextmanager
 def plain_layers() -> Iterator[None]:
@@ -622,4 +561,4 @@ def plain_layers() -> Iterator[None]:
         _PLAIN[0] -= 1
 
 
-__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters", "plain_layers", "warn_plain_for_router_logits"]
+__all__ = ["ForwardState", "LayerCheckpoint", "LayerParameters", "plain_layers"]

@@ -26,7 +26,8 @@ from transformers.models.mixtral import modeling_mixtral as mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
 from fastft.checkpointing import modes as checkpointing
-from fastft.checkpointing.layer import plain_layers, warn_plain_for_router_logits
+from fastft.checkpointing.layer import plain_layers
+from fastft.checkpointing.router_logits import warn_plain_for_router_logits
 from fastft.patches import moe_experts_4x
 from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
 from fastft.patches.decoder import (
