@@ -186,10 +186,16 @@ def image_batch(tokenizer, image_processor) -> dict[str, torch.Tensor]:
     special = torch.tensor([tokenizer.convert_tokens_to_ids(token) for token in SPECIAL])
     labels[torch.isin(labels, special)] = -100
     labels[batch["attention_mask"] == 0] = -100
-    return {
+    inputs = {
         "input_ids": batch["input_ids"],
         "attention_mask": batch["attention_mask"],
         "pixel_values": images["pixel_values"],
         "image_grid_thw": grid,
         "labels": labels,
     }
+    if _five():
+        # transformers 5.x's processor marks image tokens (1) apart from text (0); the model builds the image tokens'
+        # M-RoPE positions from these, and gives every token text positions without them.
+        image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        inputs["mm_token_type_ids"] = (batch["input_ids"] == image_id).int()
+    return inputs
