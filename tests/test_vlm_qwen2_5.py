@@ -215,3 +215,12 @@ def test_switches_are_checked(vlm_dir, tmp_path_factory, word_tokenizer):
 def test_a_vision_language_model_refuses_a_text_task(vlm_dir):
     with pytest.raises(ValueError, match="vision-language model"):
         FastModel.from_pretrained(str(vlm_dir), task="sequence-classification")
+
+
+def test_a_batch_longer_than_max_seq_length_is_refused_by_name(vlm_dir, batch):
+    from fastft import ShapeContractError
+
+    model, _ = FastModel.from_pretrained(str(vlm_dir), max_seq_length=16, dtype=torch.float32)
+    length = batch["input_ids"].shape[1]
+    with pytest.raises(ShapeContractError, match=f"max_seq_length=16 tokens per sequence, got {length}"):
+        model(**{key: value for key, value in batch.items() if key != "labels"})
