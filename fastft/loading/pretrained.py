@@ -18,6 +18,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    ProcessorMixin,
 )
 
 from fastft.contracts import check_checkpoint, check_config, guard_max_seq_length
@@ -126,7 +127,7 @@ def from_pretrained(
     task: str = "causal-lm",
     tokenizer_name: str | os.PathLike | None = None,
     **hf_kwargs: Any,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
     """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
     ``get_peft_model``; or a vision-language model and its processor.
 
