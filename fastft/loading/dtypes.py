@@ -100,7 +100,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, caller: str = "fastft") -> to
     return resolved
 
 
-def quantization_config(dtype: torch.dtype, task: str = "causal-lm") -> Any:
+def quantization_config(dtype: torch.dtype, task: str = "causal-lm", skip_modules: list[str] | None = None) -> Any:
+    """bitsandbytes NF4 with double quantisation computing in ``dtype``; ``skip_modules`` (or a classifier's head)
+    stay unquantised."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
@@ -110,12 +112,14 @@ def quantization_config(dtype: torch.dtype, task: str = "causal-lm") -> Any:
         ) from error
     from transformers import BitsAndBytesConfig
 
+    if skip_modules is None and task == "sequence-classification":
+        skip_modules = list(_CLASSIFIER_HEADS)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype,
-        **({"llm_int8_skip_modules": _CLASSIFIER_HEADS} if task == "sequence-classification" else {}),
+        **({"llm_int8_skip_modules": skip_modules} if skip_modules is not None else {}),
     )
 
 

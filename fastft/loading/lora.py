@@ -18,6 +18,7 @@ from fastft.contracts.moe import moe_blocks
 from fastft.loading import distributed
 from fastft.loading.compile import compile_layers
 from fastft.loading.moe_targets import moe_targets
+from fastft.loading.vision_targets import VisionLoRA, target_pattern, vision_towers
 from fastft.registry import apply_patches
 
 # fastft.model's, the name users' logging configurations know.
@@ -148,6 +149,56 @@ def check_base(model: torch.nn.Module) -> None:
     distributed.guard_data_parallel(base_model(model))
 
 
+def _named_targets(
+    model: torch.nn.Module,
+    target_modules: list[str] | tuple[str, ...] | None,
+    experts: Any,
+    lora_dropout: float,
+    lora_kwargs: dict[str, Any],
+) -> list[str]:
+    """The layer names LoRA goes on (the architecture's defaults, or ``target_modules``, plus a mixture-of-experts
+    model's experts and router), each checked to be a linear layer of ``model``; ``lora_kwargs`` gets the experts'
+    ``target_parameters``."""
+    targets = list(default_target_modules(model) if target_modules is None else target_modules)
+    if experts is not None:
+        # An explicit list adapts what it names; the router, when asked for, is added to it all the same.
+        explicit = target_modules is not None
+        expert_modules = () if explicit else experts.modules
+        expert_parameters = () if explicit else experts.parameters
+        targets += [name for name in (*expert_modules, *experts.router_modules) if name not in targets]
+        wanted = [*expert_parameters, *experts.router_parameters]
+        if wanted and "target_parameters" not in lora_kwargs:
+            lora_kwargs["target_parameters"] = wanted
+        if lora_kwargs.get("target_parameters") and lora_dropout:
+            # peft raises this itself, but only after it has wrapped some of the model's layers.
+            raise ValueError(
+                f"fastft.get_peft_model: lora_dropout={lora_dropout} cannot apply to the experts' 3-D parameters "
+                f"({', '.join(lora_kwargs['target_parameters'])}): peft's LoRA on parameters takes no dropout. Use "
+                "lora_dropout=0.0, or target_modules=[...] for the attention alone. The model was left without "
+                "adapters."
+            )
+    available = linear_leaf_names(model)
+    if not targets:
+        raise ValueError(
+            f"fastft.get_peft_model: target_modules is empty; pass names from {sorted(available)}, or leave "
+            "target_modules=None for every attention and MLP projection."
+        )
+    missing = [name for name in targets if name not in available]
+    if missing:
+        hints = [
+            f"{name!r} -> did you mean {close[0]!r}?"
+            for name in missing
+            if (close := difflib.get_close_matches(str(name), sorted(available), n=1))
+        ]
+        raise ValueError(
+            f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
+            f"{type(model).__name__}; {' '.join(hints) + ' ' if hints else ''}Its linear layers are "
+            f"{sorted(available)}: pass names from that list, or leave target_modules=None for every attention "
+            "and MLP projection. The model was left without adapters."
+        )
+    return targets
+
+
 def get_peft_model(
     model: PreTrainedModel,
     r: int = 16,
@@ -158,6 +209,10 @@ def get_peft_model(
     random_state: int = 3407,
     compile: bool = False,
     train_router: bool = False,
+    finetune_language_layers: bool = True,
+    finetune_vision_layers: bool = False,
+    finetune_attention_modules: bool = True,
+    finetune_mlp_modules: bool = True,
     **lora_kwargs: Any,
 ) -> PeftModel:
     """Add LoRA adapters and set up the model for training.
@@ -184,6 +239,16 @@ def get_peft_model(
             on CUDA too, until a GPU measurement shows it faster (``bench/host.py``).
         train_router: Mixture-of-experts models: also a LoRA on each block's router (off by default: it changes
             which experts each token reaches). Refused on a dense model.
+        finetune_language_layers: Vision-language models (``target_modules=None``): LoRA on the language model's
+            layers (default on). These run fastft's fused kernels.
+        finetune_vision_layers: Vision-language models: LoRA on the vision tower's blocks and its merger (default
+            off: the tower is pre-trained on far more images than a fine-tune brings, and runs upstream's modules).
+        finetune_attention_modules: Vision-language models: LoRA on the attention projections of the sides chosen
+            above (q / k / v / o; the tower's ``qkv`` / ``proj``); default on.
+        finetune_mlp_modules: Vision-language models: LoRA on the MLP projections of the sides chosen above
+            (gate / up / down; the merger's two linear layers); default on. On a vision-language model the four
+            switches become one ``target_modules`` pattern of full module paths (saved in the adapter, read the same
+            by plain peft); on a text model, or with ``target_modules`` given, they must stay at their defaults.
         **lora_kwargs: Passed to ``peft.LoraConfig`` (e.g. ``use_rslora``, ``modules_to_save``).
 
     Returns:
@@ -232,47 +297,25 @@ def get_peft_model(
             f"fastft.get_peft_model: train_router=True, but {type(model).__name__} has no mixture-of-experts "
             "router; leave train_router out for a dense model."
         )
+    switches = VisionLoRA(
+        finetune_language_layers, finetune_vision_layers, finetune_attention_modules, finetune_mlp_modules
+    )
+    vision = bool(vision_towers(model))
+    if switches != VisionLoRA() and (not vision or target_modules is not None):
+        raise ValueError(
+            f"fastft.get_peft_model: the finetune_* switches ({switches}) choose the layers of a vision-language "
+            f"model when target_modules is None; {type(model).__name__} "
+            f"{'is not one' if not vision else 'was given target_modules too'}. Leave the switches out and name the "
+            "layers in target_modules, or leave target_modules out."
+        )
     if isinstance(target_modules, str):
         # peft reads a string as a regular expression over full module names, where "q_proj" matches nothing;
         # a single layer name is what is meant here.
         target_modules = [target_modules]
-    targets = list(default_target_modules(model) if target_modules is None else target_modules)
-    if experts is not None:
-        # An explicit list adapts what it names; the router, when asked for, is added to it all the same.
-        explicit = target_modules is not None
-        expert_modules = () if explicit else experts.modules
-        expert_parameters = () if explicit else experts.parameters
-        targets += [name for name in (*expert_modules, *experts.router_modules) if name not in targets]
-        wanted = [*expert_parameters, *experts.router_parameters]
-        if wanted and "target_parameters" not in lora_kwargs:
-            lora_kwargs["target_parameters"] = wanted
-        if lora_kwargs.get("target_parameters") and lora_dropout:
-            # peft raises this itself, but only after it has wrapped some of the model's layers.
-            raise ValueError(
-                f"fastft.get_peft_model: lora_dropout={lora_dropout} cannot apply to the experts' 3-D parameters "
-                f"({', '.join(lora_kwargs['target_parameters'])}): peft's LoRA on parameters takes no dropout. Use "
-                "lora_dropout=0.0, or target_modules=[...] for the attention alone. The model was left without "
-                "adapters."
-            )
-    available = linear_leaf_names(model)
-    if not targets:
-        raise ValueError(
-            f"fastft.get_peft_model: target_modules is empty; pass names from {sorted(available)}, or leave "
-            "target_modules=None for every attention and MLP projection."
-        )
-    missing = [name for name in targets if name not in available]
-    if missing:
-        hints = [
-            f"{name!r} -> did you mean {close[0]!r}?"
-            for name in missing
-            if (close := difflib.get_close_matches(str(name), sorted(available), n=1))
-        ]
-        raise ValueError(
-            f"fastft.get_peft_model: target_modules {missing} are not linear layers of "
-            f"{type(model).__name__}; {' '.join(hints) + ' ' if hints else ''}Its linear layers are "
-            f"{sorted(available)}: pass names from that list, or leave target_modules=None for every attention "
-            "and MLP projection. The model was left without adapters."
-        )
+    if vision and target_modules is None:
+        targets: list[str] | str = target_pattern(model, switches)[0]
+    else:
+        targets = _named_targets(model, target_modules, experts, lora_dropout, lora_kwargs)
     check_base(model)
     if not hasattr(model, "_fastft_patch_report"):
         apply_patches(model)

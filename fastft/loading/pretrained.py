@@ -18,6 +18,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    ProcessorMixin,
 )
 
 from fastft.contracts import check_checkpoint, check_config, guard_max_seq_length
@@ -36,6 +37,7 @@ from fastft.loading.sources import (
     looks_like_path,
     resolve_max_seq_length,
 )
+from fastft.loading.vision import is_vision_language, load_processor, skip_4bit_modules, vision_model_class
 from fastft.registry import apply_patches
 
 # fastft.model's, the name users' logging configurations know (and tests read in the log).
@@ -125,9 +127,18 @@ def from_pretrained(
     task: str = "causal-lm",
     tokenizer_name: str | os.PathLike | None = None,
     **hf_kwargs: Any,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
     """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
-    ``get_peft_model``.
+    ``get_peft_model``; or a vision-language model and its processor.
+
+    Vision-language checkpoints (model_type ``qwen2_5_vl``: Qwen2.5-VL) load as transformers' image-text-to-text
+    model (``AutoModelForImageTextToText``), and the second value returned is the checkpoint's ``AutoProcessor``
+    (image processor + tokenizer + chat template) instead of the tokenizer; its language model runs fastft's fused
+    kernels, its vision tower and merger run upstream's modules (``patch_report`` says which is which). With
+    ``load_in_4bit`` only the language model is quantised: the vision tower and merger stay in ``dtype``, being a
+    small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose quality suffers most from 4-bit
+    (its errors reach every image token). Where the processor cannot be built (Qwen2.5-VL's needs torchvision), a
+    warning says so and the tokenizer is returned.
 
     On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
     ``accelerate launch`` (one process per GPU, see :mod:`fastft.loading.distributed`), else the current one.
@@ -172,7 +183,7 @@ def from_pretrained(
             ``attn_implementation``, ``num_labels`` for a classifier, ...).
 
     Returns:
-        ``(model, tokenizer)``.
+        ``(model, tokenizer)``; ``(model, processor)`` for a vision-language model.
 
     Raises:
         FileNotFoundError: ``model_name`` or ``tokenizer_name`` is a filesystem path that does not exist, a
@@ -249,6 +260,12 @@ def from_pretrained(
             raise
         raise hub_fetch_error("model_name", source, error, tokenizer_kwargs) from error
     check_config(config, source=source)
+    vision = is_vision_language(config)
+    if vision and task != "causal-lm":
+        raise ValueError(
+            f"fastft.from_pretrained: {source} is a vision-language model ({config.model_type}); task={task!r} "
+            "loads a text model's head. Leave task out (the image-text-to-text model and its processor load)."
+        )
     if load_in_4bit:
         refuse_4bit_experts(config, source)
     max_seq_length = resolve_max_seq_length(max_seq_length, config, source)
@@ -269,13 +286,15 @@ def from_pretrained(
     check_checkpoint(source, config)
     load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
     if load_in_4bit:
-        load_kwargs["quantization_config"] = quantization_config(torch_dtype, task)
+        skip = skip_4bit_modules(config) if vision else None
+        load_kwargs["quantization_config"] = quantization_config(torch_dtype, task, skip_modules=skip)
     if task == "sequence-classification":
         load_kwargs["num_labels"] = 1
     if "quantization_config" not in hf_kwargs and mxfp4_checkpoint(config):
         load_kwargs["quantization_config"] = mxfp4_dequantized(config, source)
     load_kwargs.update(hf_kwargs)
-    model = TASKS[task].from_pretrained(source, **load_kwargs)
+    model_class = vision_model_class() if vision else TASKS[task]
+    model = model_class.from_pretrained(source, **load_kwargs)
     check_base(model)
     if load_in_4bit:
         guard_bnb_cpu_repack(model, torch_dtype)
@@ -290,12 +309,16 @@ def from_pretrained(
     if tokenizer.pad_token is None:
         # Llama 3 ships no pad token; padded positions are masked out of attention and loss anyway.
         tokenizer.pad_token = tokenizer.eos_token
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    # A vision-language config keeps the language model's token ids in its text config.
+    text_config = model.config.get_text_config() if vision else model.config
+    if getattr(text_config, "pad_token_id", None) is None:
+        text_config.pad_token_id = tokenizer.pad_token_id
     model.max_seq_length = max_seq_length
     guard_max_seq_length(model, max_seq_length)
     apply_patches(model, enabled=patch)
     logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
+    if vision:
+        return model, load_processor(tokenizer_source, tokenizer, max_seq_length, **tokenizer_kwargs)
     return model, tokenizer
 
 

@@ -15,6 +15,7 @@ BUILTIN = (
     "fastft.patches.phi3",
     "fastft.patches.moe",
     "fastft.patches.gpt_oss",
+    "fastft.patches.qwen2_5_vl",
     "fastft.patches.generic",
     "fastft.patches.trl_logprobs",
     "fastft.checkpointing.modes",

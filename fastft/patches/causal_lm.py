@@ -100,12 +100,18 @@ class FusedLossState:
             self.__class__ = fast_class
 
 
-def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable[..., Any]:
+def causal_lm_forward(
+    upstream_class: type, backbone: str = "model", output_class: type | None = None
+) -> Callable[..., Any]:
     """The forward of ``upstream_class`` (a ``...ForCausalLM``) with its training loss through the fused linear
     cross-entropy; shows the upstream signature, which generate() and Trainer read (logits_to_keep, **kwargs).
-    ``backbone`` names the attribute holding the decoder stack (``model``; GPT-NeoX's ``gpt_neox``)."""
+    ``backbone`` names the attribute holding the decoder stack (``model``; GPT-NeoX's ``gpt_neox``).
+    ``output_class``: the output upstream returns when it is not ``CausalLMOutputWithPast`` (a vision-language
+    model's, with its ``rope_deltas`` or image outputs); its fields other than the loss and logits are read from the
+    backbone's output by name."""
     signature = inspect.signature(upstream_class.forward)
     upstream_forward = upstream_class.forward
+    output_fields = tuple(output_class.__dataclass_fields__) if output_class is not None else ()
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         arguments = dict(signature.bind(self, *args, **kwargs).arguments)
@@ -150,13 +156,17 @@ def causal_lm_forward(upstream_class: type, backbone: str = "model") -> Callable
                 logits = head(hidden_states[:, keep, :])
                 if softcap is not None:
                     logits = torch.tanh(logits / softcap) * softcap
-        result = CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
-            hidden_states=getattr(outputs, "hidden_states", None),
-            attentions=getattr(outputs, "attentions", None),
-        )
+        if output_class is None:
+            result = CausalLMOutputWithPast(
+                loss=loss,
+                logits=logits,
+                **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
+                hidden_states=getattr(outputs, "hidden_states", None),
+                attentions=getattr(outputs, "attentions", None),
+            )
+        else:
+            passed = {name: getattr(outputs, name, None) for name in output_fields if name not in ("loss", "logits")}
+            result = output_class(loss=loss, logits=logits, **passed)
         if return_dict is False:
             return result.to_tuple()
         return result

@@ -49,6 +49,9 @@ def _no_window(module: torch.nn.Module) -> dict[str, Any]:
     return {}
 
 
+RotaryTables = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class Family:
     """What a decoder family does differently from Llama.
@@ -65,12 +68,19 @@ class Family:
             splits at heads · head_dim, kv_heads · head_dim, kv_heads · head_dim.
         mlp: The gate, up, down projection names, or a packed gate_up and down (``("gate_up_proj", "down_proj")``).
         o: The output projection's name.
-        half_rotary_tables: The rotary embedding hands out ``cos`` / ``sin`` for one half of each head (gpt-oss,
-            which rotates ``(x1, x2)`` halves with them): the same rotation as Llama's ``rotate_half`` with the
-            tables repeated, which is what the fused path is given.
+        rotary_tables: ``(module, cos, sin) -> (cos, sin)``: turns the tables the rotary embedding hands the
+            attention into Llama's ``[batch, seq, head_dim]`` ones, which the fused RoPE takes. gpt-oss's half-width
+            tables are repeated (:func:`repeat_half_tables`); Qwen2.5-VL's ``[3, batch, seq, head_dim]`` M-RoPE
+            tables are recomposed by its sections. None: the tables are Llama's already.
         call_kwargs: Extra keyword arguments for the attention function read from the module on every call
             (gpt-oss's learned sinks, ``s_aux``), so a parameter swapped after the plan was made is still the one
             used.
+        class_names: Part to upstream class name where a family's classes do not follow ``prefix + part``
+            (Qwen2.5-VL's text MLP is ``Qwen2MLP``).
+        position_ids_to_attention: Hand the forward's ``position_ids`` on to the attention function, as upstream
+            does where flash attention reads packed rows' boundaries from them.
+        returns_cache: The attention forward returns ``(output, weights, cache)``, as Qwen2.5-VL's does in
+            transformers 4.53–4.55, instead of ``(output, weights)``.
     """
 
     name: str
@@ -83,12 +93,23 @@ class Family:
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     o: tuple[str, ...] = field(default=("o_proj",))
-    half_rotary_tables: bool = False
+    rotary_tables: RotaryTables | None = None
     call_kwargs: Callable[[torch.nn.Module], dict[str, Any]] | None = None
+    class_names: tuple[tuple[str, str], ...] = ()
+    position_ids_to_attention: bool = False
+    returns_cache: bool = False
 
     def upstream_class(self, part: str) -> type:
         """The upstream class of one part (``"RMSNorm"``, ``"Attention"``, ``"MLP"``, ``"ForCausalLM"``)."""
-        return getattr(self.upstream, f"{self.prefix}{part}")
+        return getattr(self.upstream, dict(self.class_names).get(part, f"{self.prefix}{part}"))
+
+
+def repeat_half_tables(
+    module: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :attr:`Family.rotary_tables` for half-width tables (gpt-oss rotates the ``(x1, x2)`` halves of each head with
+    them): repeated to full width they give exactly Llama's ``rotate_half`` rotation."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -272,14 +293,15 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
     cache_name = next((name for name in _CACHE_NAMES if name in signature.parameters), None)
     # 4.56–4.57 still take the pre-4.56 name, and 5.24 the pre-5.24 one, through a deprecation shim; so does this.
     old_names = tuple(name for name in _CACHE_NAMES if name != cache_name)
-    half_tables, call_kwargs = family.half_rotary_tables, family.call_kwargs
+    rotary_tables, call_kwargs = family.rotary_tables, family.call_kwargs
+    position_ids_to_attention, returns_cache = family.position_ids_to_attention, family.returns_cache
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         named, extra = reader.read(self, args, kwargs)
         hidden_states = named["hidden_states"]
         cos, sin = named["position_embeddings"]
-        if half_tables:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if rotary_tables is not None:
+            cos, sin = rotary_tables(self, cos, sin)
         cache = named.get(cache_name) if cache_name else None
         for name in old_names:
             shim = extra.pop(name, None)
@@ -313,8 +335,12 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
             scaling=self.scaling,
             **plan.extra,
             **extra,
+            # Not in `extra`: the cache above takes upstream's **kwargs, which never held them.
+            **({"position_ids": named.get("position_ids")} if position_ids_to_attention else {}),
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        if returns_cache:
+            return plan.o(attn_output), attn_weights, cache
         return plan.o(attn_output), attn_weights
 
     forward.__signature__ = signature
@@ -520,6 +546,7 @@ __all__ = [
     "gated_mlp_forward",
     "qkv_widths",
     "register_family",
+    "repeat_half_tables",
     "rms_norm_forward",
     "swap_class",
 ]

@@ -32,6 +32,7 @@ from fastft.patches.decoder import (
     group_fallbacks,
     loss_fallbacks,
     model_type_only,
+    repeat_half_tables,
     swap_class,
 )
 from fastft.patches.llama import renamed_cache
@@ -76,7 +77,7 @@ if gpt_oss is not None:
         upstream=gpt_oss,
         prefix="GptOss",
         attention_kwargs=_window,
-        half_rotary_tables=True,
+        rotary_tables=repeat_half_tables,
         call_kwargs=_sinks,
     )
 

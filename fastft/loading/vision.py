@@ -1,0 +1,90 @@
+"""Vision-language checkpoints in ``FastModel.from_pretrained``: which model class loads them, what 4-bit leaves
+unquantised, and the processor returned in place of the tokenizer."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+# model_type -> the vision side's modules (tower and merger / projector) by their names in the loaded model, as
+# bitsandbytes' skip list reads them (transformers 4.x: a substring of the module's name; 5.x: its start).
+VISION_MODULES = {"qwen2_5_vl": ("model.visual",)}
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL so far)."""
+    return getattr(config, "model_type", None) in VISION_MODULES
+
+
+def vision_model_class() -> type:
+    """transformers' auto class for image-text-to-text models (``AutoModelForImageTextToText``; transformers 4.x also
+    maps Qwen2.5-VL under ``AutoModelForVision2Seq``)."""
+    import transformers
+
+    found = getattr(transformers, "AutoModelForImageTextToText", None) or getattr(
+        transformers, "AutoModelForVision2Seq", None
+    )
+    if found is None:
+        raise ImportError(
+            f"fastft.from_pretrained: transformers {transformers.__version__} has no AutoModelForImageTextToText; "
+            "vision-language models need transformers >= 4.53.3 (pip install -U transformers)."
+        )
+    return found
+
+
+def skip_4bit_modules(config: Any) -> list[str]:
+    """What ``load_in_4bit`` leaves in 16 bit on a vision-language model: the vision tower and merger, and the LM
+    head (bitsandbytes' own default, which naming any module replaces).
+
+    The tower is a small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose quality suffers
+    most from 4-bit: its errors reach every image token the language model reads.
+    """
+    return [*VISION_MODULES[config.model_type], "lm_head"]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: Any) -> Any:
+    """The checkpoint's ``AutoProcessor`` (image processor and tokenizer, with its chat template), its tokenizer
+    limited to ``max_seq_length`` like a text model's.
+
+    Where the installed transformers cannot build the processor (Qwen2.5-VL's needs torchvision for its video
+    processor), a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
+    elsewhere (pixel values and image grid from the image processor, ``<|image_pad|>`` expanded).
+
+    Args:
+        source: The model folder or hub id.
+        tokenizer: The tokenizer already loaded from ``source``.
+        max_seq_length: The model's ``max_seq_length``.
+        **kwargs: Hub arguments (``revision``, ``token``, ...).
+
+    Returns:
+        The processor, or ``tokenizer`` when none can be built.
+    """
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(source, **kwargs)
+    except (ImportError, TypeError, ValueError, OSError) as error:
+        warnings.warn(
+            f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
+            f"({type(error).__name__}: {_first_line(error)}); returning its "
+            "tokenizer instead. Images need the processor: install what the message names (for Qwen2.5-VL, "
+            "pip install torchvision) and load again.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return tokenizer
+    inner = getattr(processor, "tokenizer", None)
+    if inner is None:
+        return processor
+    inner.model_max_length = max_seq_length
+    if inner.pad_token is None:
+        inner.pad_token = inner.eos_token
+    return processor
+
+
+__all__ = ["VISION_MODULES", "is_vision_language", "load_processor", "skip_4bit_modules", "vision_model_class"]
