@@ -247,18 +247,25 @@ def stock_like(model, folder):
     return stock
 
 
-def assert_moe_step_matches(model, stock, **inputs) -> None:
-    """One forward + backward of both: loss within 1e-5, every LoRA gradient (the experts' among them) within 1e-4."""
+def assert_lora_step_matches(model, stock, required: str, **inputs) -> None:
+    """One forward + backward of both: a finite loss within 1e-5, every LoRA gradient within 1e-4 and non-zero, and
+    some trainable parameter's name containing ``required`` (so the part under test did train)."""
     ours, theirs = model(**inputs).loss, stock(**inputs).loss
     ours.backward()
     theirs.backward()
-    assert relative_error(ours, theirs) <= LOSS_TOLERANCE
+    assert torch.isfinite(ours)
+    assert relative_error(ours, theirs) <= LOSS_TOLERANCE, (ours.item(), theirs.item())
     expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
     actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert expected.keys() == actual.keys() and any(".experts." in name for name in actual)
+    assert expected.keys() == actual.keys() and any(required in name for name in actual)
     for name, grad in actual.items():
         assert expected[name].norm() > 0, name
         assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+
+
+def assert_moe_step_matches(model, stock, **inputs) -> None:
+    """:func:`assert_lora_step_matches` with the experts' adapters among the trained parameters."""
+    assert_lora_step_matches(model, stock, ".experts.", **inputs)
 
 
 def assert_backbone_router_logits_match(folder, checkpointing, vocab: int) -> None:

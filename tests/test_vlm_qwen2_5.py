@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, save_tiny_llama
-from parity import GRAD_TOLERANCE, LOSS_TOLERANCE, count, graph_nodes
+from parity import assert_lora_step_matches, count, graph_nodes
 from vlm_tiny import image_batch, save_tiny_vlm, tiny_image_processor, tiny_tokenizer
 
 from fastft import FastModel
@@ -61,17 +61,7 @@ def _stock(model, folder):
 def _assert_step_matches(model, stock, batch) -> None:
     model.train()
     stock.train()
-    ours, theirs = model(**batch).loss, stock(**batch).loss
-    ours.backward()
-    theirs.backward()
-    assert torch.isfinite(ours)
-    assert relative_error(ours, theirs) <= LOSS_TOLERANCE, (ours.item(), theirs.item())
-    expected = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
-    actual = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert expected.keys() == actual.keys() and any("lora_A" in name for name in actual)
-    for name, grad in actual.items():
-        assert expected[name].norm() > 0, name
-        assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+    assert_lora_step_matches(model, stock, "lora_A", **batch)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])

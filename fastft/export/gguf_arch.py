@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fastft.contracts import ShapeContractError
 from fastft.export.merge import MergedTensor
 
 # An inner model's children that a GGUF of these architectures has tensors for.
@@ -201,8 +202,6 @@ def expert_tensors(
             rest.append(tensor)
     for (layer, role), found in sorted(per_expert.items()):
         if sorted(found) != list(range(experts)):
-            from fastft.kernels.errors import ShapeContractError
-
             raise ShapeContractError(
                 f"fastft.save_gguf: layer {layer} has {role} projections for experts {sorted(found)[:8]}, expected "
                 f"({experts}, ...): one for each of the config's {experts} experts, which a GGUF stacks; the config "
@@ -216,8 +215,6 @@ def expert_tensors(
 
 def _check_shape(name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if tuple(actual) != tuple(expected):
-        from fastft.kernels.errors import ShapeContractError
-
         raise ShapeContractError(
             f"fastft.save_gguf: {name} has shape {tuple(actual)}, expected {tuple(expected)} from the config "
             "(experts, intermediate size, hidden size); the config and the weights disagree, so no GGUF reader "
