@@ -148,6 +148,7 @@ def _spec(system: System, workload: Workload, folder: str, options: Options, **o
         "system": system.name,
         "family": system.family,
         "mode": system.mode,
+        "compile": system.compile,
         "folder": folder,
         "dtype": workload.dtype,
         "quant": workload.quant,

@@ -27,6 +27,8 @@ class System:
         venv: ``None`` runs in the harness's own environment; else the key of a competitor venv in ``VENVS``.
         devices: Where the system has a training path (Liger-Kernel has no CPU path).
         default: Whether a run without ``--systems`` or ``--modes`` includes it (the six systems before modes).
+        compile: fastft only: ``get_peft_model(compile=True)``, regional compilation of the decoder layers (issue 28
+            asks for a GPU measurement before it becomes the default on CUDA).
     """
 
     name: str
@@ -36,6 +38,7 @@ class System:
     venv: str | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     default: bool = True
+    compile: bool = False
 
     @property
     def mode_label(self) -> str:
@@ -51,6 +54,7 @@ class System:
             "checkpointing": self.checkpointing,
             "venv": self.venv,
             "devices": list(self.devices),
+            "compile": self.compile,
         }
 
 
@@ -68,6 +72,10 @@ SYSTEMS: tuple[System, ...] = (
     System("unsloth", "unsloth", "unsloth", "offload", **_UNSLOTH),
     System("fastft+offload", "fastft", "offload", "offload"),
     System("fastft+sqrt", "fastft", "sqrt", "sqrt", default=False),
+    # Regional compilation beside each like-for-like mode; only ``--modes`` or a name runs them (a compile per process).
+    System("fastft+compile", "fastft", False, "none", default=False, compile=True),
+    System("fastft+recompute+compile", "fastft", True, "recompute", default=False, compile=True),
+    System("fastft+offload+compile", "fastft", "offload", "offload", default=False, compile=True),
 )
 FAMILIES = ("transformers+peft", "liger", "unsloth", "fastft")
 # The default set's order before modes existed (tables and tests of earlier runs follow it).
@@ -79,7 +87,8 @@ def aliases() -> dict[str, System]:
     (``fastft:True``, ``unsloth:False``, ``fastft:offload``, ``unsloth:unsloth``; any case)."""
     names = {system.name.lower(): system for system in SYSTEMS}
     for system in SYSTEMS:
-        names[f"{system.family}:{system.mode}".lower()] = system
+        if not system.compile:
+            names[f"{system.family}:{system.mode}".lower()] = system
     return names
 
 

@@ -159,6 +159,7 @@ def build(spec: dict[str, Any]) -> Any:
             lora_dropout=0.0,
             target_modules=None if parameters else modules,
             use_gradient_checkpointing=mode,
+            compile=bool(spec.get("compile", False)),
         )
     else:
         if family == "liger":
@@ -270,11 +271,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         return loss.item()
 
+    first = time.perf_counter()
     with measure_module.SavedTensorBytes(exclude=model.parameters()) as saved:
         loss = forward()
     loss.backward()
     model.zero_grad(set_to_none=True)
     record.update(loss=loss.item(), saved_bytes=saved.bytes, saved_bytes_raw=saved.raw_bytes)
+    # With regional compilation the first step holds the compile.
+    record["first_step_s"] = time.perf_counter() - first
     del loss
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -300,6 +304,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         record["fastft_patches"] = sorted(row["name"] for row in patch_report(model) if row["status"] == "applied")
         # The mode the model ended up in (None: off), so a row can be checked against the mode it was asked for.
         record["fastft_checkpointing"] = get_mode(model.get_base_model())
+        from fastft.loading.compile import compiled_layers
+
+        record["fastft_compiled_layers"] = compiled_layers(model)
     record.update(_extras(spec, model, step, statistics.median(times), measure_module))
     return record
 

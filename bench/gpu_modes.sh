@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 28's like-for-like table in one short device call: fastft against Unsloth in each checkpointing mode both
+# have, transformers + peft as the baseline, and fastft with regional compilation (get_peft_model(compile=True)).
+#
+#   bash bench/gpu_modes.sh OUTDIR          (on the device tool: carry .whl, built by bench/offline_wheels.py)
+#
+# Each group is its own `fastft bench` run and JSON (OUTDIR/<group>/bench-<gpu>.json), in priority order, so a call
+# cut short still returns every group it finished; each group holds its Unsloth rival, so each ratio is one run's.
+# Unsloth's processes take about 100 s each (import, its own compile), fastft's about 30 s, a compiled fastft one
+# about a minute more: the four groups fit one 10-minute call with the set-up.
+set -uo pipefail
+OUTDIR=$(cd "${1:?usage: bash bench/gpu_modes.sh OUTDIR}" && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+SITE=/tmp/fastft-gpu-site
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PIP_NO_INDEX=1 PIP_FIND_LINKS="$ROOT/.whl $ROOT/.whl/competitors" PIP_DISABLE_PIP_VERSION_CHECK=1
+begin=$SECONDS
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$ROOT"/.whl/*.whl \
+    || exit 2
+export PYTHONPATH=$SITE
+"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" || exit 2
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUTDIR/gpu.txt"
+echo "set-up: $((SECONDS - begin)) s" | tee -a "$OUTDIR/gpu.txt"
+# Python runs outside the checkout: its kernels/ would shadow the PyPI package `kernels` bitsandbytes imports.
+cd "$(mktemp -d)" || exit 2
+group() {
+    local name=$1 box=$2
+    shift 2
+    case " ${GPU_MODES_GROUPS:-none recompute offload compile} " in *" $name "*) ;; *) return 0 ;; esac
+    mkdir -p "$OUTDIR/$name"
+    local start=$SECONDS
+    timeout -k 10 "$box" "$PY" "$ROOT/bench/run.py" --device cuda --workloads llama-3.2-1b-bf16-4x2048 --rounds 1 \
+        --steps 5 --timeout 170 --systems "$@" --output-dir "$OUTDIR/$name" --readme "$OUTDIR/$name/table.md" \
+        >"$OUTDIR/$name/log.txt" 2>&1
+    echo "group $name: exit $? in $((SECONDS - start)) s" | tee -a "$OUTDIR/gpu.txt"
+    tail -n 25 "$OUTDIR/$name/log.txt"
+}
+group none 260 transformers+peft unsloth-nogc fastft
+group recompute 170 unsloth-gc fastft+recompute
+group offload 170 unsloth fastft+offload
+group compile 200 fastft+compile fastft+offload+compile
+touch "$OUTDIR/done"
