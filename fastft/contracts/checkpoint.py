@@ -16,6 +16,9 @@ from fastft.contracts.attention import attention_shape
 from fastft.kernels.errors import ShapeContractError
 
 _PROJECTION = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|qkv_proj|o_proj)\.weight$")
+# A vision-language checkpoint's vision side (Llama 3.2 Vision's ``vision_model``) has q / k / v / o projections of
+# its own width, not the text config's; the loaded modules are checked after loading anyway.
+_VISION_PARTS = frozenset({"vision_model", "visual", "vision_tower"})
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -61,7 +64,7 @@ def check_checkpoint(source: str | Path, config: Any) -> int:
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 match = _PROJECTION.search(key)
-                if match is None:
+                if match is None or not _VISION_PARTS.isdisjoint(key.split(".")):
                     continue
                 stored = handle.get_slice(key)
                 if len(stored.get_shape()) != 2 or stored.get_dtype() in ("U8", "I8"):

@@ -8,11 +8,25 @@ from typing import Any
 
 # model_type -> the vision side's modules (tower and merger / projector) by their names in the loaded model, as
 # bitsandbytes' skip list reads them (transformers 4.x: a substring of the module's name; 5.x: its start).
-VISION_MODULES = {"qwen2_5_vl": ("model.visual",)}
+VISION_MODULES = {
+    "qwen2_5_vl": ("model.visual",),
+    "mllama": ("model.vision_model", "model.multi_modal_projector"),
+}
+
+
+def _cross_attention_modules(config: Any) -> list[str]:
+    """Llama 3.2 Vision's cross-attention projections (q / k / v / o of each cross-attention layer), by layer."""
+    return [f"model.language_model.layers.{i}.cross_attn" for i in config.get_text_config().cross_attention_layers]
+
+
+# model_type -> the language model's modules that 4-bit leaves in 16 bit as well, read from the config. Mllama's
+# cross-attention projections are the only path from the image into the text, and the ones whose 4-bit weight error
+# stands out (Unsloth's per-layer analysis of Llama-3.2-11B-Vision); 16 bit they add ~0.5 GB to the 11B model's ~7 GB.
+LANGUAGE_16BIT = {"mllama": _cross_attention_modules}
 
 
 def is_vision_language(config: Any) -> bool:
-    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL so far)."""
+    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Llama 3.2 Vision)."""
     return getattr(config, "model_type", None) in VISION_MODULES
 
 
@@ -33,13 +47,16 @@ def vision_model_class() -> type:
 
 
 def skip_4bit_modules(config: Any) -> list[str]:
-    """What ``load_in_4bit`` leaves in 16 bit on a vision-language model: the vision tower and merger, and the LM
-    head (bitsandbytes' own default, which naming any module replaces).
+    """What ``load_in_4bit`` leaves in 16 bit on a vision-language model: the vision tower and merger (projector),
+    the LM head (bitsandbytes' own default, which naming any module replaces), and for Llama 3.2 Vision the
+    cross-attention projections (:data:`LANGUAGE_16BIT`); their tanh gates and per-head norms are not linear layers
+    and stay 16-bit anyway. The cross-attention layers' MLPs are quantised like every other MLP.
 
     The tower is a small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose quality suffers
     most from 4-bit: its errors reach every image token the language model reads.
     """
-    return [*VISION_MODULES[config.model_type], "lm_head"]
+    language = LANGUAGE_16BIT.get(config.model_type)
+    return [*VISION_MODULES[config.model_type], *(language(config) if language else ()), "lm_head"]
 
 
 def _first_line(error: BaseException) -> str:
@@ -87,4 +104,11 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     return processor
 
 
-__all__ = ["VISION_MODULES", "is_vision_language", "load_processor", "skip_4bit_modules", "vision_model_class"]
+__all__ = [
+    "LANGUAGE_16BIT",
+    "VISION_MODULES",
+    "is_vision_language",
+    "load_processor",
+    "skip_4bit_modules",
+    "vision_model_class",
+]

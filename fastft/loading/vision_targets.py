@@ -16,7 +16,9 @@ import torch
 from fastft.loading.vision import VISION_MODULES
 
 # A linear layer's parent module name, last part: attention or MLP (the merger's ``mlp`` Sequential counts as MLP).
-_ATTENTION_PARENTS = frozenset({"self_attn", "attn", "attention"})
+# Llama 3.2 Vision's cross-attention (``cross_attn``: q from the text, k / v from the image) is the language model's
+# attention too: finetune_attention_modules adapts it with the self-attention.
+_ATTENTION_PARENTS = frozenset({"self_attn", "attn", "attention", "cross_attn"})
 _MLP_PARENTS = frozenset({"mlp", "feed_forward"})
 
 
@@ -27,8 +29,10 @@ class VisionLoRA:
     Attributes:
         language: LoRA on the language model's layers.
         vision: LoRA on the vision tower's blocks and its merger (projector).
-        attention: On the attention projections (q / k / v / o; the tower's packed ``qkv`` and ``proj``).
-        mlp: On the MLP projections (gate / up / down; the merger's two linear layers).
+        attention: On the attention projections (q / k / v / o, Llama 3.2 Vision's cross-attention included; the
+            tower's packed ``qkv`` and ``proj``).
+        mlp: On the MLP projections (gate / up / down; the tower's fc1 / fc2; the merger's two linear layers, or
+            Llama 3.2 Vision's one-layer ``multi_modal_projector``).
     """
 
     language: bool = True
@@ -80,8 +84,9 @@ def target_pattern(model: torch.nn.Module, switches: VisionLoRA) -> tuple[str, l
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        role = _role(name)
-        in_tower = any(name.startswith(f"{tower}.") for tower in towers)
+        # A projector that is one linear layer (Llama 3.2 Vision's) counts with the MLPs, as Qwen2.5-VL's merger MLP.
+        role = "mlp" if name in towers else _role(name)
+        in_tower = any(name == tower or name.startswith(f"{tower}.") for tower in towers)
         side = switches.vision if in_tower else switches.language
         kind = {"attention": switches.attention, "mlp": switches.mlp}.get(role, False)
         if side and kind:
