@@ -86,7 +86,8 @@ def attention_shape(config: Any) -> AttentionShape:
     """
     text = _text_config(config)
     hidden = getattr(text, "hidden_size", None)
-    heads = getattr(text, "num_attention_heads", None)
+    # Mllama's vision config names it attention_heads; transformers 5.x maps num_attention_heads onto it, 4.x does not.
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "attention_heads", None)
     if not isinstance(hidden, int) or not isinstance(heads, int) or hidden < 1 or heads < 1:
         raise ShapeContractError(
             f"config ({type(text).__name__}): expected positive int hidden_size and num_attention_heads, got "
