@@ -297,6 +297,11 @@ def test_gpu_busy_is_kernel_time_over_the_step_and_copies_are_apart():
     assert summary["gpu_kernel_s"] == pytest.approx(0.06) and summary["copy_s"] == pytest.approx(0.01)
     assert summary["gpu_busy"] == pytest.approx(0.6)
     assert "gpu_busy" not in gpu_time.summarise(events)
+    # The kernels by device time, copies left out: where a step's GPU time goes.
+    assert summary["top_kernels"] == [
+        {"kernel": "nvjet_gemm", "count": 10, "ms": 50.0},
+        {"kernel": "triton_rms_norm", "count": 5, "ms": 10.0},
+    ]
 
 
 def test_profiling_a_step_needs_a_gpu(monkeypatch):
