@@ -128,41 +128,29 @@ def build(spec: dict[str, Any]) -> Any:
 
     dtype = getattr(torch, spec["dtype"])
     device_map = {"": 0} if spec["device"] == "cuda" else None
-    if family == "unsloth" and vision:
-        from unsloth import FastVisionModel
+    if family == "unsloth":
+        import unsloth as unsloth_module
 
-        model, _ = FastVisionModel.from_pretrained(
-            model_name=folder, max_seq_length=spec["max_seq_length"], dtype=dtype, load_in_4bit=nf4
-        )
-        model = FastVisionModel.get_peft_model(
-            model,
-            r=spec["rank"],
-            lora_alpha=spec["alpha"],
-            lora_dropout=0,
-            bias="none",
+        # Vision-language models: FastVisionModel with the language model's projections only (the others' pattern).
+        fast = unsloth_module.FastVisionModel if vision else unsloth_module.FastLanguageModel
+        switches = dict(
             finetune_vision_layers=False,
             finetune_language_layers=True,
             finetune_attention_modules=True,
             finetune_mlp_modules=True,
-            use_gradient_checkpointing=mode,
-            random_state=0,
         )
-    elif family == "unsloth":
-        from unsloth import FastLanguageModel
-
-        model, _ = FastLanguageModel.from_pretrained(
+        model, _ = fast.from_pretrained(
             model_name=folder, max_seq_length=spec["max_seq_length"], dtype=dtype, load_in_4bit=nf4
         )
-        model = FastLanguageModel.get_peft_model(
+        model = fast.get_peft_model(
             model,
             r=spec["rank"],
             lora_alpha=spec["alpha"],
             lora_dropout=0,
             bias="none",
-            target_modules=modules,
             use_gradient_checkpointing=mode,
             random_state=0,
-            **extra,
+            **(switches if vision else {"target_modules": modules, **extra}),
         )
     elif family == "fastft":
         from fastft import FastModel

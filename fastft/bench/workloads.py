@@ -20,6 +20,49 @@ VLM_MODEL_TYPES = ("qwen2_5_vl",)
 # MLP has its own gate / up / down_proj): fastft's default switches, written as the peft pattern every system gets.
 VLM_TARGET_PATTERN = r"^(?!.*visual).*\.(?:self_attn|mlp)\.(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 
+
+def _qwen2_5_vl(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    tied: bool,
+    image: int,
+    rope: tuple[float, list[int]] = (1000000.0, [16, 24, 24]),
+    **tower: object,
+) -> dict[str, object]:
+    """A Qwen2.5-VL shape: the given language model (RoPE theta and M-RoPE sections ``rope``) and Qwen2.5-VL's vision
+    tower (the same in every size but for its output width; ``tower`` overrides its fields), with a square ``image``
+    px a side per example."""
+    return dict(
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab,
+            max_position_embeddings=128000,
+            rope_parameters=dict(rope_type="default", rope_theta=rope[0], mrope_section=rope[1]),
+            tie_word_embeddings=tied,
+        ),
+        vision_config={
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            **tower,
+        },
+        tie_word_embeddings=tied,
+        image_size=(image, image),
+    )
+
+
 # Random-weight shapes for the GPU workloads (no downloads on the GPU machine). max_position_embeddings is raised so
 # the longest-sequence search is limited by memory, not by the config. "model_type" picks the transformers classes;
 # every other key is the config's.
@@ -73,56 +116,10 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
     # Qwen2.5-VL-7B: its language model (28 layers, hidden 3584, GQA 28 / 4, M-RoPE sections 16 / 24 / 24) and vision
     # tower (32 blocks of 1280, windowed but for 4 full-attention blocks, 14 px patches merged 2 x 2); one 448 x 448
     # image per example is 1024 patches, 256 image tokens. 8.3e9 parameters, 16.6 GB in bf16.
-    "qwen2.5-vl-7b": dict(
-        model_type="qwen2_5_vl",
-        text_config=dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            max_position_embeddings=128000,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24]),
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=3584,
-            fullatt_block_indexes=[7, 15, 23, 31],
-        ),
-        tie_word_embeddings=False,
-        image_size=(448, 448),
-    ),
+    "qwen2.5-vl-7b": _qwen2_5_vl(3584, 18944, 28, 28, 4, 152064, tied=False, image=448),
     # Qwen2.5-VL-3B's layer, vocabulary (tied head) and whole vision tower with 2 of its 36 text layers, for the CPU:
     # 1.1e9 parameters (the tower 0.67e9), one 224 x 224 image (64 image tokens) per example.
-    "qwen2.5-vl-3b-2l": dict(
-        model_type="qwen2_5_vl",
-        text_config=dict(
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=128000,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24]),
-            tie_word_embeddings=True,
-        ),
-        vision_config=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=2048,
-            fullatt_block_indexes=[7, 15, 23, 31],
-        ),
-        tie_word_embeddings=True,
-        image_size=(224, 224),
-    ),
+    "qwen2.5-vl-3b-2l": _qwen2_5_vl(2048, 11008, 2, 16, 2, 151936, tied=True, image=224),
     # The harness's own check (tests, ``--quick``): seconds per step on a CPU.
     "tiny": dict(
         model_type="llama",
@@ -155,31 +152,23 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
         max_position_embeddings=1024,
     ),
     # The vision-language path's check (``--quick --workloads tiny-vlm-fp32-2x48``): a 16 x 16 image is 4 tokens.
-    "tiny-vlm": dict(
-        model_type="qwen2_5_vl",
-        text_config=dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=1024,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=48,
-            num_heads=2,
-            patch_size=4,
-            window_size=16,
-            out_hidden_size=64,
-            fullatt_block_indexes=[1],
-        ),
-        tie_word_embeddings=False,
-        image_size=(16, 16),
+    "tiny-vlm": _qwen2_5_vl(
+        64,
+        96,
+        2,
+        4,
+        2,
+        151936,
+        tied=False,
+        image=16,
+        rope=(10000.0, [2, 3, 3]),
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        patch_size=4,
+        window_size=16,
+        fullatt_block_indexes=[1],
     ),
 }
 
