@@ -73,7 +73,18 @@ def image_only_processor(source: str, tokenizer: Any, **kwargs: Any) -> Any:
     processor_class = getattr(transformers, name, None) if isinstance(name, str) else None
     if processor_class is None:
         raise ValueError(f"transformers {transformers.__version__} maps no processor class to {model_type!r}")
-    image_processor = AutoImageProcessor.from_pretrained(source, **kwargs)
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(source, **kwargs)
+    except ImportError:
+        # transformers 5.0-5.5: the auto class itself needs torchvision, while the class the checkpoint names falls
+        # back to its PIL backend without it.
+        from transformers.image_processing_base import ImageProcessingMixin
+
+        settings, _ = ImageProcessingMixin.get_image_processor_dict(source, **kwargs)
+        image_class = getattr(transformers, str(settings.get("image_processor_type")), None)
+        if image_class is None:
+            raise
+        image_processor = image_class.from_pretrained(source, **kwargs)
     template = _chat_template(source, tokenizer)
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
