@@ -87,8 +87,8 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
             )
             return tokenizer
         warnings.warn(
-            f"fastft.from_pretrained: {source}'s video processor could not be built ({type(error).__name__}: "
-            f"{_first_line(error)}); returning its processor without it ({type(processor).__name__}): text and "
+            f"fastft.from_pretrained: {source}'s full processor could not be built ({type(error).__name__}: "
+            f"{_first_line(error)}); returning {type(processor).__name__} without a video processor: text and "
             "images work, videos need what the message names (for Qwen2.5-VL, pip install torchvision).",
             UserWarning,
             stacklevel=3,
