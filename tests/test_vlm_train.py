@@ -176,3 +176,7 @@ def test_images_for_a_text_model_and_other_methods_are_refused(
     assert "holds images, and --model" in capsys.readouterr().err
     assert _train(vlm_dir, tmp_path / "dpo", "--method", "dpo", "--max-steps", "1") == 2
     assert "--method sft only" in capsys.readouterr().err
+    instructions = folder / "instructions.jsonl"
+    instructions.write_text(json.dumps({"instruction": "Name a shape.", "response": "A circle."}) + "\n")
+    assert _train(vlm_dir, tmp_path / "text-rows", "--data", str(instructions), "--max-steps", "1") == 2
+    assert "a vision-language model trains on chats: a 'messages' column" in capsys.readouterr().err
