@@ -52,7 +52,9 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     limited to ``max_seq_length`` like a text model's.
 
     Where the installed transformers cannot build the processor (Qwen2.5-VL's needs torchvision for its video
-    processor), a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
+    processor), the same processor class is built without its video processor
+    (:func:`fastft.loading.image_processor.image_only_processor`: text and images work), with a warning. Where even
+    that fails, a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
     elsewhere (pixel values and image grid from the image processor, ``<|image_pad|>`` expanded).
 
     Args:
@@ -66,18 +68,31 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     """
     from transformers import AutoProcessor
 
+    from fastft.loading.image_processor import image_only_processor
+
     try:
         processor = AutoProcessor.from_pretrained(source, **kwargs)
     except (ImportError, TypeError, ValueError, OSError) as error:
+        try:
+            # Without torchvision only the video processor is missing: images need the image processor alone.
+            processor = image_only_processor(source, tokenizer, **kwargs)
+        except (ImportError, TypeError, ValueError, OSError) as image_error:
+            warnings.warn(
+                f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
+                f"({type(error).__name__}: {_first_line(error)}; without videos: {type(image_error).__name__}: "
+                f"{_first_line(image_error)}); returning its tokenizer instead. Images need the processor: install "
+                "what the message names (for Qwen2.5-VL, pip install torchvision) and load again.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return tokenizer
         warnings.warn(
-            f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
-            f"({type(error).__name__}: {_first_line(error)}); returning its "
-            "tokenizer instead. Images need the processor: install what the message names (for Qwen2.5-VL, "
-            "pip install torchvision) and load again.",
+            f"fastft.from_pretrained: {source}'s full processor could not be built ({type(error).__name__}: "
+            f"{_first_line(error)}); returning {type(processor).__name__} without a video processor: text and "
+            "images work, videos need what the message names (for Qwen2.5-VL, pip install torchvision).",
             UserWarning,
             stacklevel=3,
         )
-        return tokenizer
     inner = getattr(processor, "tokenizer", None)
     if inner is None:
         return processor
