@@ -75,9 +75,9 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     """The checkpoint's ``AutoProcessor`` (image processor and tokenizer, with its chat template), its tokenizer
     limited to ``max_seq_length`` like a text model's.
 
-    Where the installed transformers cannot build the processor (Qwen2.5-VL's needs torchvision for its video
-    processor), a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
-    elsewhere (pixel values and image grid from the image processor, ``<|image_pad|>`` expanded).
+    Where the installed transformers cannot build the processor (Qwen2.5-VL's and Qwen3-VL's need torchvision for
+    their video processor), a warning says so and ``tokenizer`` is returned instead: the model still trains on
+    batches prepared elsewhere (pixel values and image grid from the image processor, ``<|image_pad|>`` expanded).
 
     Args:
         source: The model folder or hub id.
@@ -96,8 +96,8 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
         warnings.warn(
             f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
             f"({type(error).__name__}: {_first_line(error)}); returning its "
-            "tokenizer instead. Images need the processor: install what the message names (for Qwen2.5-VL, "
-            "pip install torchvision) and load again.",
+            "tokenizer instead. Images need the processor: install what the message names (for Qwen2.5-VL and "
+            "Qwen3-VL, pip install torchvision) and load again.",
             UserWarning,
             stacklevel=3,
         )
