@@ -249,3 +249,19 @@ def test_a_transformers_without_qwen3_vl_names_the_release_it_needs(tmp_path):
     with pytest.raises(ImportError, match=r"qwen3_vl model.*needs transformers >= 4\.57") as caught:
         FastModel.from_pretrained(str(tmp_path), max_seq_length=64)
     assert "does not recognize this architecture" in str(caught.value.__cause__)
+
+
+@family
+def test_a_vision_language_model_refuses_a_text_task(vlm_dir):
+    with pytest.raises(ValueError, match="vision-language model \\(qwen3_vl\\)"):
+        FastModel.from_pretrained(str(vlm_dir), task="sequence-classification")
+
+
+@family
+def test_a_batch_longer_than_max_seq_length_is_refused_by_name(vlm_dir, batch):
+    from fastft import ShapeContractError
+
+    model, _ = FastModel.from_pretrained(str(vlm_dir), max_seq_length=16, dtype=torch.float32)
+    length = batch["input_ids"].shape[1]
+    with pytest.raises(ShapeContractError, match=f"max_seq_length=16 tokens per sequence, got {length}"):
+        model(**{key: value for key, value in batch.items() if key != "labels"})

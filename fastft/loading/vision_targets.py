@@ -29,7 +29,7 @@ class VisionLoRA:
         language: LoRA on the language model's layers.
         vision: LoRA on the vision tower's blocks and its merger (projector).
         attention: On the attention projections (q / k / v / o; the tower's packed ``qkv`` and ``proj``).
-        mlp: On the MLP projections (gate / up / down; the merger's two linear layers).
+        mlp: On the MLP projections (gate / up / down; the mergers' linear layers, Qwen3-VL's DeepStack ones too).
     """
 
     language: bool = True
