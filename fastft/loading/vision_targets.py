@@ -15,9 +15,10 @@ import torch
 
 from fastft.loading.vision import VISION_MODULES
 
-# A linear layer's parent module name, last part: attention or MLP (the merger's ``mlp`` Sequential counts as MLP).
+# A linear layer's parent module name, last part that is not a list index: attention or MLP. Mergers count as MLP:
+# Qwen2.5-VL's ``merger.mlp`` Sequential, Qwen3-VL's ``merger`` and ``deepstack_merger_list.<i>`` (linear_fc1 / 2).
 _ATTENTION_PARENTS = frozenset({"self_attn", "attn", "attention"})
-_MLP_PARENTS = frozenset({"mlp", "feed_forward"})
+_MLP_PARENTS = frozenset({"mlp", "feed_forward", "merger", "deepstack_merger_list"})
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class VisionLoRA:
         language: LoRA on the language model's layers.
         vision: LoRA on the vision tower's blocks and its merger (projector).
         attention: On the attention projections (q / k / v / o; the tower's packed ``qkv`` and ``proj``).
-        mlp: On the MLP projections (gate / up / down; the merger's two linear layers).
+        mlp: On the MLP projections (gate / up / down; the mergers' linear layers, Qwen3-VL's DeepStack ones too).
     """
 
     language: bool = True
@@ -58,8 +59,7 @@ def vision_towers(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def _role(name: str) -> str | None:
-    parts = name.split(".")
-    parent = parts[-2] if len(parts) > 1 else ""
+    parent = next((part for part in reversed(name.split(".")[:-1]) if not part.isdigit()), "")
     if parent in _ATTENTION_PARENTS:
         return "attention"
     if parent in _MLP_PARENTS:
