@@ -7,7 +7,8 @@
 # Each group is its own `fastft bench` run and JSON (OUTDIR/<group>/bench-<gpu>.json), in priority order, so a call
 # cut short still returns every group it finished; each group holds its Unsloth rival, so each ratio is one run's.
 # Unsloth's processes take about 100 s each (import, its own compile), fastft's about 30 s, a compiled fastft one
-# about a minute more: the four groups fit one 10-minute call with the set-up.
+# about a minute more: the four Llama groups take about six minutes with the set-up; GPU_MODES_GROUPS picks groups
+# (none recompute offload compile vlm), vlm being issue 33's vision-language workload.
 set -uo pipefail
 OUTDIR=$(cd "${1:?usage: bash bench/gpu_modes.sh OUTDIR}" && pwd)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,12 +26,13 @@ echo "set-up: $((SECONDS - begin)) s" | tee -a "$OUTDIR/gpu.txt"
 # Python runs outside the checkout: its kernels/ would shadow the PyPI package `kernels` bitsandbytes imports.
 cd "$(mktemp -d)" || exit 2
 group() {
-    local name=$1 box=$2
+    local name=$1 box=$2 workload=llama-3.2-1b-bf16-4x2048
     shift 2
-    case " ${GPU_MODES_GROUPS:-none recompute offload compile} " in *" $name "*) ;; *) return 0 ;; esac
+    if [ "$name" = vlm ]; then workload=qwen2.5-vl-7b-bf16-4x1280; fi
+    case " ${GPU_MODES_GROUPS:-none recompute offload compile vlm} " in *" $name "*) ;; *) return 0 ;; esac
     mkdir -p "$OUTDIR/$name"
     local start=$SECONDS
-    timeout -k 10 "$box" "$PY" "$ROOT/bench/run.py" --device cuda --workloads llama-3.2-1b-bf16-4x2048 --rounds 1 \
+    timeout -k 10 "$box" "$PY" "$ROOT/bench/run.py" --device cuda --workloads "$workload" --rounds 1 \
         --steps 5 --timeout 170 --systems "$@" --output-dir "$OUTDIR/$name" --readme "$OUTDIR/$name/table.md" \
         >"$OUTDIR/$name/log.txt" 2>&1
     echo "group $name: exit $? in $((SECONDS - start)) s" | tee -a "$OUTDIR/gpu.txt"
@@ -40,4 +42,6 @@ group none 260 transformers+peft unsloth-nogc fastft
 group recompute 170 unsloth-gc fastft+recompute
 group offload 170 unsloth fastft+offload
 group compile 200 fastft+compile fastft+offload+compile
+# Issue 33's Qwen2.5-VL-7B workload (8.3e9 parameters, one image per example): stock, Unsloth, fastft.
+group vlm 300 transformers+peft unsloth-nogc fastft
 touch "$OUTDIR/done"

@@ -83,6 +83,7 @@ PINS: tuple[Pin, ...] = (
     Pin("unsloth_zoo==2026.10.9", COMPETITORS, "unsloth"),
     Pin("trl==1.15.0", COMPETITORS, "unsloth caps trl at 1.15"),
     Pin("datasets==4.8.5", COMPETITORS, "unsloth caps datasets below 5"),
+    Pin("fsspec==2026.2.0", COMPETITORS, "datasets 4.8 caps fsspec at 2026.2.0 (the image has a newer one)"),
     Pin("peft==0.21.2", COMPETITORS, "the unsloth venv's pin"),
     Pin("torchao==0.18.0", COMPETITORS, "unsloth_zoo (0.18 is built for torch >= 2.11)"),
     Pin("cut_cross_entropy==25.1.1", COMPETITORS, "unsloth_zoo"),

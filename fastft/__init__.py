@@ -3,11 +3,13 @@
 The public API::
 
     from fastft import FastModel, HubFetchError, ShapeContractError, patch_report, train_on_responses_only
+    from fastft import VisionDataCollator  # image + text chats for vision-language models
 
     model, tokenizer = FastModel.from_pretrained("smollm2-135m")
     model = FastModel.get_peft_model(model, r=16)
 
-``FastModel``, ``HubFetchError``, ``patch_report`` and ``train_on_responses_only`` are imported on first use, so
+``FastModel``, ``HubFetchError``, ``patch_report``, ``train_on_responses_only`` and ``VisionDataCollator`` are
+imported on first use, so
 ``import fastft.kernels`` (tensors only) does not pay for importing transformers and peft.
 """
 
@@ -23,12 +25,14 @@ if TYPE_CHECKING:
     from fastft.model import FastModel
     from fastft.registry import patch_report
     from fastft.training.responses import train_on_responses_only
+    from fastft.training.vision_data import VisionDataCollator
 
 _LAZY = {
     "FastModel": "fastft.model",
     "HubFetchError": "fastft.loading.sources",
     "patch_report": "fastft.registry",
     "train_on_responses_only": "fastft.training.responses",
+    "VisionDataCollator": "fastft.training.vision_data",
 }
 
 
@@ -46,4 +50,12 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FastModel", "HubFetchError", "ShapeContractError", "__version__", "patch_report", "train_on_responses_only"]
+__all__ = [
+    "FastModel",
+    "HubFetchError",
+    "ShapeContractError",
+    "VisionDataCollator",
+    "__version__",
+    "patch_report",
+    "train_on_responses_only",
+]

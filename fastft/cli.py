@@ -35,7 +35,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--data",
         help="JSONL/JSON/CSV/Parquet/TXT file or dataset folder; default: shipped demo (instructions for sft, "
-        "the preference split for dpo/kto/grpo)",
+        "the preference split for dpo/kto/grpo; for a vision-language --model, the built-in shapes set). A "
+        "vision-language model trains on 'messages' chats with {'type': 'image', 'image': 'path.png'} parts (paths "
+        "relative to the file) or an 'images' column",
     )
     parser.add_argument("--max-steps", type=int, help="optimizer steps (<= 0: run --epochs instead)")
     parser.add_argument("--epochs", type=float, help="epochs, when --max-steps <= 0")

@@ -59,6 +59,26 @@ def test_modes_run_every_family_in_each_of_its_modes_class_by_class():
         select_systems("cpu", ["fastft:nope"])
 
 
+def test_compiled_fastft_rows_run_only_when_named(tmp_path):
+    """Regional compilation beside each mode (issue 28, point 3: measured on a GPU before it may become a default)."""
+    named = select_systems("cpu", ["fastft+compile", "fastft+recompute+compile", "fastft+offload+compile"])
+    assert [(system.mode, system.compile) for system in named] == [(False, True), (True, True), ("offload", True)]
+    # family:mode keeps naming the eager rows, and --modes leaves the compiled ones out.
+    assert not aliases()["fastft:false"].compile and not aliases()["fastft:offload"].compile
+    assert not any(system.compile for system in select_systems("cuda", None, modes=True))
+    # The worker builds it compiled: every decoder layer on the compiled forward, the loss the eager row's.
+    command = [sys.executable, "-m", "fastft.cli", "bench", "--quick", "--device", "cpu", "--rounds", "1", "--steps"]
+    command += ["1", "--systems", "fastft", "fastft+compile", "--output-dir", str(tmp_path), "--no-plot"]
+    command += ["--readme", str(tmp_path / "README.md")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = {run["system"]: run for run in json.loads((tmp_path / "bench-cpu-quick.json").read_text())["runs"]}
+    layers = MODEL_SHAPES["tiny"]["num_hidden_layers"]
+    assert (runs["fastft"]["fastft_compiled_layers"], runs["fastft+compile"]["fastft_compiled_layers"]) == (0, layers)
+    assert runs["fastft+compile"]["loss"] == pytest.approx(runs["fastft"]["loss"], rel=1e-5)
+    assert runs["fastft+compile"]["first_step_s"] > 0
+
+
 @pytest.fixture(scope="module")
 def modes_run(tmp_path_factory):
     """``fastft bench --quick --modes`` for the two families with a CPU path in this environment."""
@@ -277,6 +297,11 @@ def test_gpu_busy_is_kernel_time_over_the_step_and_copies_are_apart():
     assert summary["gpu_kernel_s"] == pytest.approx(0.06) and summary["copy_s"] == pytest.approx(0.01)
     assert summary["gpu_busy"] == pytest.approx(0.6)
     assert "gpu_busy" not in gpu_time.summarise(events)
+    # The kernels by device time, copies left out: where a step's GPU time goes.
+    assert summary["top_kernels"] == [
+        {"kernel": "nvjet_gemm", "count": 10, "ms": 50.0},
+        {"kernel": "triton_rms_norm", "count": 5, "ms": 10.0},
+    ]
 
 
 def test_profiling_a_step_needs_a_gpu(monkeypatch):

@@ -47,6 +47,8 @@ OVERRIDES = {
     "export.ipynb": {**CPU_RUN, "LOAD_IN_4BIT": False, "GGUF_QUANTIZATION": "q8_0"},
     # The demo preference split (pairs of at most 58 tokens): enough steps for the reward margin to move.
     "dpo.ipynb": {**CPU_RUN, "LOAD_IN_4BIT": False, "MAX_STEPS": 8, "BATCH_SIZE": 4, "LEARNING_RATE": 5e-4},
+    # MODEL_NAME is replaced by a tiny random Qwen2.5-VL that the test saves (BUILT_MODELS); the shapes demo.
+    "vision_sft.ipynb": {**CPU_RUN, "LOAD_IN_4BIT": False, "MAX_ROWS": 40, "MAX_NEW_TOKENS": 8},
 }
 # Files each run must leave in its working directory (relative to the notebook's OUTPUT_DIR).
 ARTIFACTS = {
@@ -54,7 +56,18 @@ ARTIFACTS = {
     "chat_response_only.ipynb": ["adapter/adapter_model.safetensors", "adapter/adapter_config.json"],
     "export.ipynb": ["merged/model.safetensors", "merged/config.json", "model-q8_0.gguf"],
     "dpo.ipynb": ["adapter/adapter_model.safetensors", "adapter/adapter_config.json"],
+    "vision_sft.ipynb": ["adapter/adapter_model.safetensors", "adapter/adapter_config.json"],
 }
+
+
+def _tiny_vlm(folder: Path) -> str:
+    from vlm_chat import save_chat_vlm
+
+    return str(save_chat_vlm(folder))
+
+
+# Notebooks whose CPU model no package ships: the test saves a tiny random one and passes its folder as MODEL_NAME.
+BUILT_MODELS = {"vision_sft.ipynb": _tiny_vlm}
 CELL_TIMEOUT_S = 300
 
 
@@ -130,11 +143,11 @@ def test_main_readme_links_each_notebook_with_a_colab_badge():
         assert f"{BADGE}({COLAB_URL}{path.name})" in text, path.name
 
 
-def _prepared(path: Path) -> nbformat.NotebookNode:
+def _prepared(path: Path, built: dict | None = None) -> nbformat.NotebookNode:
     notebook = copy.deepcopy(_read(path))
     code = _code_cells(notebook)
     code[0].source = "# The install line is skipped here: fastft is installed from the checkout, offline."
-    overrides = OVERRIDES[path.name]
+    overrides = {**OVERRIDES[path.name], **(built or {})}
     injected = nbformat.v4.new_code_cell(
         "# Parameters injected by tests/test_notebooks.py\n"
         + "".join(f"{name} = {value!r}\n" for name, value in overrides.items()),
@@ -158,7 +171,8 @@ def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
     # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait on each other and a
     # training step measured 3-10x slower than on one thread; alone on 2 cores, one thread costs seconds in all.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    notebook = _prepared(path)
+    built = {"MODEL_NAME": BUILT_MODELS[path.name](tmp_path / "model")} if path.name in BUILT_MODELS else {}
+    notebook = _prepared(path, built)
     client = NotebookClient(
         notebook,
         timeout=CELL_TIMEOUT_S,

@@ -204,7 +204,7 @@ def _lane_pins() -> dict[str, dict[str, str]]:
 
 
 # transformers releases that added a family fastft patches (lanes older than these have no record of it).
-FAMILY_INTRODUCED = {"gpt_oss": Version("4.55")}
+FAMILY_INTRODUCED = {"gpt_oss": Version("4.55"), "qwen3_vl": Version("4.57")}
 
 
 def test_every_lane_is_covered_by_exactly_one_record_of_every_patch():
@@ -218,7 +218,7 @@ def test_every_lane_is_covered_by_exactly_one_record_of_every_patch():
                 if all(Version(pins[lib]) in spec for lib, spec in record.specifiers.items() if lib in pins)
             ]
             # trl.fused_logprobs plugs into the fused LM head trl added in 1.15: an older trl has nothing to patch;
-            # a family transformers added later has nothing to patch before it (gpt-oss: 4.55).
+            # a family transformers added later has nothing to patch before it (gpt-oss: 4.55, Qwen3-VL: 4.57).
             expected = 0 if name == TRL_PATCH and Version(pins["trl"]) < Version("1.15") else 1
             introduced = FAMILY_INTRODUCED.get(name.split(".")[0])
             if introduced is not None and Version(pins["transformers"]) < introduced:

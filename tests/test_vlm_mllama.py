@@ -150,7 +150,8 @@ def test_without_a_processor_the_tokenizer_comes_back_with_a_warning(vlm_dir, mo
         raise ImportError("MllamaImageProcessor requires the PIL library")
 
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
-    with pytest.warns(UserWarning, match="processor could not be built.*PIL"):
+    monkeypatch.setattr("fastft.loading.image_processor.image_only_processor", refuse)
+    with pytest.warns(UserWarning, match="could not be built.*PIL library.*returning its tokenizer instead"):
         _, tokenizer = FastModel.from_pretrained(str(vlm_dir), max_seq_length=96, dtype=torch.float32)
     assert tokenizer.model_max_length == 96
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == tiny_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN)

@@ -139,7 +139,9 @@ def test_without_a_processor_the_tokenizer_comes_back_with_a_warning(vlm_dir, mo
         raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library")
 
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
-    with pytest.warns(UserWarning, match="pip install torchvision"):
+    # Nor without its video processor (tests/test_vlm_collator.py covers the processor built that way).
+    monkeypatch.setattr("fastft.loading.image_processor.image_only_processor", refuse)
+    with pytest.warns(UserWarning, match="returning its tokenizer instead.*pip install torchvision"):
         _, tokenizer = FastModel.from_pretrained(str(vlm_dir), max_seq_length=96, dtype=torch.float32)
     assert tokenizer.model_max_length == 96 and tokenizer.convert_tokens_to_ids("<|image_pad|>") == 5
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 _COPY_PREFIXES = ("memcpy", "memset")
+# How many kernels (by device time) a profiled step records, and how much of each name.
+TOP_KERNELS, TOP_NAME_CHARS = 25, 120
 
 
 def summarise(events: Iterable[Any], step_s: float | None = None) -> dict[str, Any]:
@@ -28,11 +30,13 @@ def summarise(events: Iterable[Any], step_s: float | None = None) -> dict[str, A
         step_s: The median wall time of an unprofiled step; with it the result has ``gpu_busy``.
 
     Returns:
-        ``gpu_kernel_s``, ``kernel_launches``, ``copies`` (memcpy and memset count), ``copy_s``, and ``gpu_busy``
+        ``gpu_kernel_s``, ``kernel_launches``, ``copies`` (memcpy and memset count), ``copy_s``, ``top_kernels``
+        (the ``TOP_KERNELS`` kernel names with the most device time: count and milliseconds), and ``gpu_busy``
         (kernel time over ``step_s``; above 1 only where kernels overlap on several streams).
     """
     kernel_us = copy_us = 0.0
     kernels = copies = 0
+    spent_by_kernel: dict[str, list[float]] = {}
     for event in events:
         if getattr(getattr(event, "device_type", None), "name", None) != "CUDA":
             continue
@@ -43,11 +47,17 @@ def summarise(events: Iterable[Any], step_s: float | None = None) -> dict[str, A
             copies, copy_us = copies + count, copy_us + spent
         else:
             kernels, kernel_us = kernels + count, kernel_us + spent
+            entry = spent_by_kernel.setdefault(name[:TOP_NAME_CHARS], [0, 0.0])
+            entry[0] += count
+            entry[1] += spent
+    # Where the GPU time goes, for the next GPU session to compare systems kernel by kernel.
+    top = sorted(spent_by_kernel.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     summary = {
         "gpu_kernel_s": kernel_us / 1e6,
         "kernel_launches": kernels,
         "copies": copies,
         "copy_s": copy_us / 1e6,
+        "top_kernels": [{"kernel": name, "count": int(count), "ms": spent / 1e3} for name, (count, spent) in top],
     }
     if step_s:
         summary["gpu_busy"] = summary["gpu_kernel_s"] / step_s

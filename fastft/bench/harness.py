@@ -27,7 +27,7 @@ from fastft.bench import longest as longest_search
 from fastft.bench import report, venvs
 from fastft.bench.systems import BASELINE, System, select_systems
 from fastft.bench.worker import PROBE_PREFIX, RESULT_PREFIX
-from fastft.bench.workloads import ALPHA, MODEL_SHAPES, RANK, Workload, is_moe, lora_targets, select_workloads
+from fastft.bench.workloads import ALPHA, MODEL_SHAPES, RANK, Workload, is_moe, is_vlm, lora_targets, select_workloads
 
 logger = logging.getLogger(__name__)
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -248,7 +248,8 @@ def _longest_all(
     options: Options,
     scratch: Path,
 ) -> list[dict[str, Any]]:
-    models = list({(w.model, w.dtype, w.quant): w for w in workloads}.values())
+    # Text models only: the search grows a batch-1 text sequence, which a vision-language step does not reduce to.
+    models = list({(w.model, w.dtype, w.quant): w for w in workloads if not is_vlm(w.model)}.values())
     budget_s = longest_budget(options, len(models) * len(systems))
     found = []
     for workload in models:

@@ -72,7 +72,7 @@ SYSTEMS: tuple[System, ...] = (
     System("unsloth", "unsloth", "unsloth", "offload", **_UNSLOTH),
     System("fastft+offload", "fastft", "offload", "offload"),
     System("fastft+sqrt", "fastft", "sqrt", "sqrt", default=False),
-    # Regional compilation beside each like-for-like mode; only ``--modes`` or a name runs them (a compile per process).
+    # Regional compilation beside each like-for-like mode; only a name runs them (see select_systems).
     System("fastft+compile", "fastft", False, "none", default=False, compile=True),
     System("fastft+recompute+compile", "fastft", True, "recompute", default=False, compile=True),
     System("fastft+offload+compile", "fastft", "offload", "offload", default=False, compile=True),
@@ -165,7 +165,12 @@ def select_systems(device: str, names: list[str] | None, modes: bool = False) ->
         chosen.append(system)
     if modes:
         families = {system.family for system in chosen} or set(FAMILIES)
-        return [system for system in SYSTEMS if system.family in families and device in system.devices]
+        # Compiled rows only when named: a compile per process would double a modes run's time.
+        return [
+            system
+            for system in SYSTEMS
+            if system.family in families and device in system.devices and not system.compile
+        ]
     if chosen:
         return chosen
     defaults = {system.name: system for system in SYSTEMS if system.default and device in system.devices}

@@ -116,7 +116,10 @@ def build(spec: dict[str, Any]) -> Any:
     family, mode, folder, nf4 = spec["family"], spec["mode"], spec["folder"], spec["quant"] == "nf4"
     if family not in ("transformers+peft", "liger", "unsloth", "fastft"):
         raise ValueError(f"fastft bench worker: unknown family {family!r} in the spec of {spec.get('system')!r}")
-    modules, parameters = list(spec.get("target_modules") or TARGETS), list(spec.get("target_parameters") or [])
+    modules = spec.get("target_modules") or TARGETS
+    # A vision-language model's targets are one peft pattern (the language model's projections), not a name list.
+    modules = modules if isinstance(modules, str) else list(modules)
+    parameters, vision = list(spec.get("target_parameters") or []), spec.get("image_size") is not None
     # Only where there is something to pass: a peft or Unsloth without target_parameters still builds dense models.
     extra = {"target_parameters": parameters} if parameters else {}
     if family == "unsloth":
@@ -126,21 +129,28 @@ def build(spec: dict[str, Any]) -> Any:
     dtype = getattr(torch, spec["dtype"])
     device_map = {"": 0} if spec["device"] == "cuda" else None
     if family == "unsloth":
-        from unsloth import FastLanguageModel
+        import unsloth as unsloth_module
 
-        model, _ = FastLanguageModel.from_pretrained(
+        # Vision-language models: FastVisionModel with the language model's projections only (the others' pattern).
+        fast = unsloth_module.FastVisionModel if vision else unsloth_module.FastLanguageModel
+        switches = dict(
+            finetune_vision_layers=False,
+            finetune_language_layers=True,
+            finetune_attention_modules=True,
+            finetune_mlp_modules=True,
+        )
+        model, _ = fast.from_pretrained(
             model_name=folder, max_seq_length=spec["max_seq_length"], dtype=dtype, load_in_4bit=nf4
         )
-        model = FastLanguageModel.get_peft_model(
+        model = fast.get_peft_model(
             model,
             r=spec["rank"],
             lora_alpha=spec["alpha"],
             lora_dropout=0,
             bias="none",
-            target_modules=modules,
             use_gradient_checkpointing=mode,
             random_state=0,
-            **extra,
+            **(switches if vision else {"target_modules": modules, **extra}),
         )
     elif family == "fastft":
         from fastft import FastModel
@@ -157,7 +167,8 @@ def build(spec: dict[str, Any]) -> Any:
             r=spec["rank"],
             lora_alpha=spec["alpha"],
             lora_dropout=0.0,
-            target_modules=None if parameters else modules,
+            # MoE and vision-language models: fastft's own defaults, the same adapters as the others' lists.
+            target_modules=None if parameters or vision else modules,
             use_gradient_checkpointing=mode,
             compile=bool(spec.get("compile", False)),
         )
@@ -167,6 +178,8 @@ def build(spec: dict[str, Any]) -> Any:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
+        if vision:
+            from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
         model = AutoModelForCausalLM.from_pretrained(
             folder,
             dtype=dtype,
@@ -234,6 +247,19 @@ def _input_ids(spec: dict[str, Any], vocab_size: int, batch: int | None = None, 
     return ids.to("cuda" if spec["device"] == "cuda" else "cpu")
 
 
+def _inputs(spec: dict[str, Any], model: Any) -> dict[str, Any]:
+    """One step's keyword arguments: random ids as their own labels, or a vision-language model's image + text
+    batch (``vlm_inputs.py``)."""
+    device = "cuda" if spec["device"] == "cuda" else "cpu"
+    if spec.get("image_size") is None:
+        ids = _input_ids(spec, model.config.vocab_size)
+        return {"input_ids": ids, "labels": ids}
+    import transformers
+
+    five = int(transformers.__version__.split(".")[0]) >= 5
+    return _load("vlm_inputs").batch(model.config, spec["batch"], spec["seq"], spec["image_size"], device, five)
+
+
 def _failure(error: BaseException) -> str:
     """The error's first line for the record; its traceback goes to stderr, whose tail the harness keeps."""
     traceback.print_exc()
@@ -257,13 +283,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     cuda = spec["device"] == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     record: dict[str, Any] = {"load_s": time.perf_counter() - started, **set_lora(model)}
-    ids = _input_ids(spec, model.config.vocab_size)
-    record["input_checksum"] = int(ids.sum())
+    inputs = _inputs(spec, model)
+    record["input_checksum"] = int(inputs["input_ids"].sum())
     record["rss_after_load_bytes"] = measure_module.resident_bytes()
     record["peak_rss_reset"] = measure_module.reset_peak_rss()
 
     def forward() -> Any:
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
+        return model(**inputs, use_cache=False).loss
 
     def step() -> float:
         loss = forward()
@@ -322,9 +348,15 @@ def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_
         finally:
             model.zero_grad(set_to_none=True)
     try:
-        targets = (*(spec.get("target_modules") or TARGETS), *(spec.get("target_parameters") or ()))
+        modules = spec.get("target_modules") or TARGETS
+        # A pattern (vision-language models) stands for the seven projections of each language-model layer.
+        modules = TARGETS if isinstance(modules, str) else modules
+        targets = (*modules, *(spec.get("target_parameters") or ()))
+        # A vision-language model: its language model's count (the frozen tower's forward, about 2 % of a
+        # Qwen2.5-VL-7B step at 256 image tokens per 1280, is left out).
+        config = getattr(model.config, "text_config", None) or model.config
         extras["flops_analytic"] = measure_module.lora_step_flops(
-            model.config, spec["batch"], spec["seq"], spec["rank"], targets
+            config, spec["batch"], spec["seq"], spec["rank"], targets
         )
     except Exception as error:  # noqa: BLE001  (a config the formula does not know: the floor uses the count)
         extras["flops_analytic_error"] = _failure(error)

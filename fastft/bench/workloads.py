@@ -15,6 +15,53 @@ MOE_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 RANK, ALPHA = 16, 16
 # The model families write_random_model builds (MODEL_SHAPES' "model_type").
 MOE_MODEL_TYPES = ("qwen3_moe",)
+VLM_MODEL_TYPES = ("qwen2_5_vl",)
+# A vision-language model: LoRA on the language model's seven projections, never on the vision tower's blocks (whose
+# MLP has its own gate / up / down_proj): fastft's default switches, written as the peft pattern every system gets.
+VLM_TARGET_PATTERN = r"^(?!.*visual).*\.(?:self_attn|mlp)\.(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+
+
+def _qwen2_5_vl(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    tied: bool,
+    image: int,
+    rope: tuple[float, list[int]] = (1000000.0, [16, 24, 24]),
+    **tower: object,
+) -> dict[str, object]:
+    """A Qwen2.5-VL shape: the given language model (RoPE theta and M-RoPE sections ``rope``) and Qwen2.5-VL's vision
+    tower (the same in every size but for its output width; ``tower`` overrides its fields), with a square ``image``
+    px a side per example."""
+    return dict(
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab,
+            max_position_embeddings=128000,
+            rope_parameters=dict(rope_type="default", rope_theta=rope[0], mrope_section=rope[1]),
+            tie_word_embeddings=tied,
+        ),
+        vision_config={
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            **tower,
+        },
+        tie_word_embeddings=tied,
+        image_size=(image, image),
+    )
+
 
 # Random-weight shapes for the GPU workloads (no downloads on the GPU machine). max_position_embeddings is raised so
 # the longest-sequence search is limited by memory, not by the config. "model_type" picks the transformers classes;
@@ -66,6 +113,13 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
         rope_theta=1000000.0,
         max_position_embeddings=262144,
     ),
+    # Qwen2.5-VL-7B: its language model (28 layers, hidden 3584, GQA 28 / 4, M-RoPE sections 16 / 24 / 24) and vision
+    # tower (32 blocks of 1280, windowed but for 4 full-attention blocks, 14 px patches merged 2 x 2); one 448 x 448
+    # image per example is 1024 patches, 256 image tokens. 8.3e9 parameters, 16.6 GB in bf16.
+    "qwen2.5-vl-7b": _qwen2_5_vl(3584, 18944, 28, 28, 4, 152064, tied=False, image=448),
+    # Qwen2.5-VL-3B's layer, vocabulary (tied head) and whole vision tower with 2 of its 36 text layers, for the CPU:
+    # 1.1e9 parameters (the tower 0.67e9), one 224 x 224 image (64 image tokens) per example.
+    "qwen2.5-vl-3b-2l": _qwen2_5_vl(2048, 11008, 2, 16, 2, 151936, tied=True, image=224),
     # The harness's own check (tests, ``--quick``): seconds per step on a CPU.
     "tiny": dict(
         model_type="llama",
@@ -97,6 +151,25 @@ MODEL_SHAPES: dict[str, dict[str, object]] = {
         rope_theta=10000.0,
         max_position_embeddings=1024,
     ),
+    # The vision-language path's check (``--quick --workloads tiny-vlm-fp32-2x48``): a 16 x 16 image is 4 tokens.
+    "tiny-vlm": _qwen2_5_vl(
+        64,
+        96,
+        2,
+        4,
+        2,
+        151936,
+        tied=False,
+        image=16,
+        rope=(10000.0, [2, 3, 3]),
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        patch_size=4,
+        window_size=16,
+        fullatt_block_indexes=[1],
+    ),
 }
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -127,11 +200,23 @@ def is_moe(model: str) -> bool:
     return MODEL_SHAPES.get(model, {}).get("model_type") in MOE_MODEL_TYPES
 
 
-def lora_targets(model: str) -> dict[str, list[str]]:
-    """What every system puts LoRA on for ``model``: ``target_modules`` and ``target_parameters`` (the experts)."""
+def is_vlm(model: str) -> bool:
+    """Whether ``model`` (a key of ``MODEL_SHAPES``) is a vision-language shape (its steps take an image)."""
+    return MODEL_SHAPES.get(model, {}).get("model_type") in VLM_MODEL_TYPES
+
+
+def lora_targets(model: str) -> dict[str, object]:
+    """What every system puts LoRA on for ``model``: ``target_modules`` (a list, or for a vision-language model a
+    peft pattern) and ``target_parameters`` (the experts); a vision-language model also gets its ``image_size``."""
+    if is_vlm(model):
+        return {"target_modules": VLM_TARGET_PATTERN, "target_parameters": [], "image_size": list(_image(model))}
     if is_moe(model):
         return {"target_modules": list(MOE_TARGET_MODULES), "target_parameters": list(MOE_TARGET_PARAMETERS)}
     return {"target_modules": list(TARGET_MODULES), "target_parameters": []}
+
+
+def _image(model: str) -> tuple[int, int]:
+    return tuple(MODEL_SHAPES[model]["image_size"])  # type: ignore[arg-type]
 
 
 def _gpu_workloads() -> list[Workload]:
@@ -143,6 +228,8 @@ def _gpu_workloads() -> list[Workload]:
             for batch, seq in ((4, 2048), (1, 8192)):
                 tag = "nf4" if quant == "nf4" else "bf16"
                 workloads.append(Workload(f"{model}-{tag}-{batch}x{seq}", model, "bfloat16", batch, seq, quant))
+    # Issue 33's: 4 x (one 448 x 448 image, 256 tokens, and 1,024 text tokens).
+    workloads.append(Workload("qwen2.5-vl-7b-bf16-4x1280", "qwen2.5-vl-7b", "bfloat16", 4, 1280))
     return workloads
 
 
@@ -150,15 +237,18 @@ WORKLOADS: dict[str, list[Workload]] = {
     "cpu": [
         Workload("smollm2-135m-fp32-2x512", EMBEDDED_MODEL, "float32", 2, 512),
         Workload("smollm2-135m-bf16-2x512", EMBEDDED_MODEL, "bfloat16", 2, 512),
+        Workload("qwen2.5-vl-3b-2l-fp32-1x320", "qwen2.5-vl-3b-2l", "float32", 1, 320),
     ],
     "cuda": _gpu_workloads(),
     "quick": [
         Workload("tiny-fp32-2x32", "tiny", "float32", 2, 32),
         Workload("tiny-moe-fp32-2x32", "tiny-moe", "float32", 2, 32),
+        Workload("tiny-vlm-fp32-2x48", "tiny-vlm", "float32", 2, 48),
     ],
 }
-# Run only when named with --workloads: the quick run's default stays the one dense check.
-NAMED_ONLY = ("tiny-moe-fp32-2x32",)
+# Run only when named with --workloads: the quick run's default stays the one dense check, the CPU's the embedded
+# model.
+NAMED_ONLY = ("tiny-moe-fp32-2x32", "tiny-vlm-fp32-2x48", "qwen2.5-vl-3b-2l-fp32-1x320")
 
 
 def select_workloads(device: str, quick: bool, names: list[str] | None) -> list[Workload]:
@@ -181,14 +271,14 @@ def select_workloads(device: str, quick: bool, names: list[str] | None) -> list[
 
 
 def write_random_model(shape: str, folder: Path, dtype: str, device: str) -> Path:
-    """Write the model of ``MODEL_SHAPES[shape]`` (a Llama, or a Qwen3-MoE for ``model_type="qwen3_moe"``) with
+    """Write the model of ``MODEL_SHAPES[shape]`` (a Llama, a Qwen3-MoE or a Qwen2.5-VL, by its ``model_type``) with
     seeded random weights, and a small tokenizer, to ``folder``.
 
     Reuses ``folder`` when its ``fastft-bench.json`` says it holds this shape and dtype. The weights are initialised
     on ``device`` (seconds for 8B parameters on a GPU, minutes on a CPU) and saved as safetensors.
 
     Raises:
-        ValueError: A shape whose ``model_type`` is neither ``"llama"`` nor ``"qwen3_moe"``.
+        ValueError: A shape whose ``model_type`` is not ``"llama"``, ``"qwen3_moe"`` or ``"qwen2_5_vl"``.
     """
     import torch
     import transformers
@@ -199,7 +289,12 @@ def write_random_model(shape: str, folder: Path, dtype: str, device: str) -> Pat
         return folder
     fields = dict(MODEL_SHAPES[shape])
     model_type = fields.pop("model_type")
-    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+    fields.pop("image_size", None)
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    }
     if model_type not in classes:
         raise ValueError(
             f"fastft.bench.workloads: shape {shape!r} has model_type {model_type!r}; write_random_model builds "

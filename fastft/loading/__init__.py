@@ -4,8 +4,8 @@ Where it comes from (:mod:`~fastft.loading.sources`, :mod:`~fastft.loading.embed
 :mod:`~fastft.loading.base_names`), its dtype and 4-bit choice (:mod:`~fastft.loading.dtypes`), the load itself and a
 saved adapter put back on it (:mod:`~fastft.loading.pretrained`, :mod:`~fastft.loading.adapters`), LoRA wiring
 (:mod:`~fastft.loading.lora`), vision-language models' class, processor and LoRA layers
-(:mod:`~fastft.loading.vision`, :mod:`~fastft.loading.vision_targets`), regional compilation
-(:mod:`~fastft.loading.compile`) and one GPU per process (:mod:`~fastft.loading.distributed`).
+(:mod:`~fastft.loading.vision`, :mod:`~fastft.loading.image_processor`, :mod:`~fastft.loading.vision_targets`),
+regional compilation (:mod:`~fastft.loading.compile`) and one GPU per process (:mod:`~fastft.loading.distributed`).
 :class:`fastft.model.FastModel` is the façade over it.
 
 May import: ``fastft.kernels``, ``fastft.contracts``, ``fastft.registry``, ``fastft.patches`` and the checkpointing

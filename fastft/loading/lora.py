@@ -236,7 +236,7 @@ def get_peft_model(
         compile: Regional compilation (:mod:`fastft.loading.compile`): every decoder layer runs one ``torch.compile``-d
             forward, compiled on the first step (its time is reported by ``fastft train``) and shared by all
             layers; fastft's kernels are custom ops inside it, checkpointing stays around it. Off by default,
-            on CUDA too, until a GPU measurement shows it faster (``bench/host.py``).
+            on CUDA too: on an H100 it measured slower than eager (``bench/results/h100-2026-11-26/``).
         train_router: Mixture-of-experts models: also a LoRA on each block's router (off by default: it changes
             which experts each token reaches). Refused on a dense model.
         finetune_language_layers: Vision-language models (``target_modules=None``): LoRA on the language model's

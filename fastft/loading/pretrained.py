@@ -37,7 +37,13 @@ from fastft.loading.sources import (
     looks_like_path,
     resolve_max_seq_length,
 )
-from fastft.loading.vision import is_vision_language, load_processor, skip_4bit_modules, vision_model_class
+from fastft.loading.vision import (
+    is_vision_language,
+    load_processor,
+    refuse_missing_family,
+    skip_4bit_modules,
+    vision_model_class,
+)
 from fastft.registry import apply_patches
 
 # fastft.model's, the name users' logging configurations know (and tests read in the log).
@@ -259,6 +265,9 @@ def from_pretrained(
         if local:
             raise
         raise hub_fetch_error("model_name", source, error, tokenizer_kwargs) from error
+    except ValueError as error:
+        refuse_missing_family(source, error)
+        raise
     check_config(config, source=source)
     vision = is_vision_language(config)
     if vision and task != "causal-lm":

@@ -8,10 +8,14 @@ from typing import Any
 
 # model_type -> the vision side's modules (tower and merger / projector) by their names in the loaded model, as
 # bitsandbytes' skip list reads them (transformers 4.x: a substring of the module's name; 5.x: its start).
+# Qwen3-VL's DeepStack mergers sit inside its tower (model.visual.deepstack_merger_list).
 VISION_MODULES = {
     "qwen2_5_vl": ("model.visual",),
+    "qwen3_vl": ("model.visual",),
     "mllama": ("model.vision_model", "model.multi_modal_projector"),
 }
+# model_type -> the first transformers release with the family, for the error an older one gets.
+FIRST_RELEASE = {"qwen3_vl": "4.57"}
 
 
 def _cross_attention_modules(config: Any) -> list[str]:
@@ -25,8 +29,30 @@ def _cross_attention_modules(config: Any) -> list[str]:
 LANGUAGE_16BIT = {"mllama": _cross_attention_modules}
 
 
+def refuse_missing_family(source: str, error: ValueError) -> None:
+    """Raise ImportError naming the transformers release a vision-language family needs, when ``error`` is
+    AutoConfig refusing that family's model type because the installed transformers predates it. Any other error:
+    returns, and the caller re-raises it.
+
+    Raises:
+        ImportError: ``source`` is a family of :data:`FIRST_RELEASE` that this transformers does not know.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type, release in FIRST_RELEASE.items():
+        # AutoConfig names the unknown type in backticks (transformers 4.x and 5.x).
+        if model_type not in CONFIG_MAPPING and f"`{model_type}`" in str(error):
+            raise ImportError(
+                f"fastft.from_pretrained: {source} is a {model_type} model, which transformers "
+                f"{transformers.__version__} does not know; it needs transformers >= {release} "
+                f'(pip install -U "transformers>={release}").'
+            ) from error
+
+
 def is_vision_language(config: Any) -> bool:
-    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Llama 3.2 Vision)."""
+    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Qwen3-VL, Llama 3.2
+    Vision)."""
     return getattr(config, "model_type", None) in VISION_MODULES
 
 
@@ -68,8 +94,10 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     """The checkpoint's ``AutoProcessor`` (image processor and tokenizer, with its chat template), its tokenizer
     limited to ``max_seq_length`` like a text model's.
 
-    Where the installed transformers cannot build the processor (Qwen2.5-VL's needs torchvision for its video
-    processor), a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
+    Where the installed transformers cannot build the processor (Qwen2.5-VL's and Qwen3-VL's need torchvision for
+    their video processor), the same processor class is built without its video processor
+    (:func:`fastft.loading.image_processor.image_only_processor`: text and images work), with a warning. Where even
+    that fails, a warning says so and ``tokenizer`` is returned instead: the model still trains on batches prepared
     elsewhere (pixel values and image grid from the image processor, ``<|image_pad|>`` expanded).
 
     Args:
@@ -83,18 +111,31 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
     """
     from transformers import AutoProcessor
 
+    from fastft.loading.image_processor import image_only_processor
+
     try:
         processor = AutoProcessor.from_pretrained(source, **kwargs)
     except (ImportError, TypeError, ValueError, OSError) as error:
+        try:
+            # Without torchvision only the video processor is missing: images need the image processor alone.
+            processor = image_only_processor(source, tokenizer, **kwargs)
+        except (ImportError, TypeError, ValueError, OSError) as image_error:
+            warnings.warn(
+                f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
+                f"({type(error).__name__}: {_first_line(error)}; without videos: {type(image_error).__name__}: "
+                f"{_first_line(image_error)}); returning its tokenizer instead. Images need the processor: install "
+                "what the message names (for Qwen2.5-VL and Qwen3-VL, pip install torchvision) and load again.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return tokenizer
         warnings.warn(
-            f"fastft.from_pretrained: {source} is a vision-language model, but its processor could not be built "
-            f"({type(error).__name__}: {_first_line(error)}); returning its "
-            "tokenizer instead. Images need the processor: install what the message names (for Qwen2.5-VL, "
-            "pip install torchvision) and load again.",
+            f"fastft.from_pretrained: {source}'s full processor could not be built ({type(error).__name__}: "
+            f"{_first_line(error)}); returning {type(processor).__name__} without a video processor: text and "
+            "images work, videos need what the message names (for Qwen2.5-VL and Qwen3-VL, pip install torchvision).",
             UserWarning,
             stacklevel=3,
         )
-        return tokenizer
     inner = getattr(processor, "tokenizer", None)
     if inner is None:
         return processor
@@ -105,10 +146,12 @@ def load_processor(source: str, tokenizer: Any, max_seq_length: int, **kwargs: A
 
 
 __all__ = [
+    "FIRST_RELEASE",
     "LANGUAGE_16BIT",
     "VISION_MODULES",
     "is_vision_language",
     "load_processor",
+    "refuse_missing_family",
     "skip_4bit_modules",
     "vision_model_class",
 ]

@@ -15,11 +15,12 @@ import torch
 
 from fastft.loading.vision import VISION_MODULES
 
-# A linear layer's parent module name, last part: attention or MLP (the merger's ``mlp`` Sequential counts as MLP).
+# A linear layer's parent module name, last part that is not a list index: attention or MLP. Mergers count as MLP:
+# Qwen2.5-VL's ``merger.mlp`` Sequential, Qwen3-VL's ``merger`` and ``deepstack_merger_list.<i>`` (linear_fc1 / 2).
 # Llama 3.2 Vision's cross-attention (``cross_attn``: q from the text, k / v from the image) is the language model's
 # attention too: finetune_attention_modules adapts it with the self-attention.
 _ATTENTION_PARENTS = frozenset({"self_attn", "attn", "attention", "cross_attn"})
-_MLP_PARENTS = frozenset({"mlp", "feed_forward"})
+_MLP_PARENTS = frozenset({"mlp", "feed_forward", "merger", "deepstack_merger_list"})
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class VisionLoRA:
         vision: LoRA on the vision tower's blocks and its merger (projector).
         attention: On the attention projections (q / k / v / o, Llama 3.2 Vision's cross-attention included; the
             tower's packed ``qkv`` and ``proj``).
-        mlp: On the MLP projections (gate / up / down; the tower's fc1 / fc2; the merger's two linear layers, or
-            Llama 3.2 Vision's one-layer ``multi_modal_projector``).
+        mlp: On the MLP projections (gate / up / down; the tower's fc1 / fc2; the mergers' linear layers, Qwen3-VL's
+            DeepStack ones too, Llama 3.2 Vision's one-layer ``multi_modal_projector``).
     """
 
     language: bool = True
@@ -62,8 +63,7 @@ def vision_towers(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def _role(name: str) -> str | None:
-    parts = name.split(".")
-    parent = parts[-2] if len(parts) > 1 else ""
+    parent = next((part for part in reversed(name.split(".")[:-1]) if not part.isdigit()), "")
     if parent in _ATTENTION_PARENTS:
         return "attention"
     if parent in _MLP_PARENTS:

@@ -16,6 +16,7 @@ BUILTIN = (
     "fastft.patches.moe",
     "fastft.patches.gpt_oss",
     "fastft.patches.qwen2_5_vl",
+    "fastft.patches.qwen3_vl",
     "fastft.patches.mllama",
     "fastft.patches.generic",
     "fastft.patches.trl_logprobs",

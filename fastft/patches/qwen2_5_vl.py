@@ -101,14 +101,21 @@ def language_model_swap(upstream_class: type, fast_class: type, vision_class: ty
     return apply
 
 
-def _text_mlp_only(model: torch.nn.Module) -> str | None:
-    reason = model_type_only(MODEL_TYPE)(model)
-    if reason:
-        return reason
-    text = _text_config(model.config)
-    if mlp_activation(text) is None:
-        return f"hidden_act {getattr(text, 'hidden_act', None)!r} has no fused gate kernel"
-    return None
+def text_mlp_only(model_type: str) -> Callable[[torch.nn.Module], str | None]:
+    """A record's ``applies_to`` for a vision-language model's gated text MLP: the activation is read from the text
+    config (the top-level config of a vision-language model has none). Qwen3-VL's records use it too."""
+    family_only = model_type_only(model_type)
+
+    def applies_to(model: torch.nn.Module) -> str | None:
+        reason = family_only(model)
+        if reason:
+            return reason
+        text = _text_config(model.config)
+        if mlp_activation(text) is None:
+            return f"hidden_act {getattr(text, 'hidden_act', None)!r} has no fused gate kernel"
+        return None
+
+    return applies_to
 
 
 if qwen2_5_vl is not None:
@@ -209,7 +216,7 @@ if qwen2_5_vl is not None:
             "mlp",
             qwen2_5_vl.Qwen2MLP,
             FastQwen2_5_VLMLP,
-            _text_mlp_only,
+            text_mlp_only(MODEL_TYPE),
             group_fallbacks((FastQwen2_5_VLMLP,), {"": QWEN2_5_VL.mlp}),
             language_model_swap,
             ("gate_up", "down"),

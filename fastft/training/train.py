@@ -21,9 +21,10 @@ from fastft.export.file_modes import as_if_created
 from fastft.loading.base_names import public_base_name
 from fastft.loading.compile import compile_seconds
 from fastft.loading.distributed import launch
+from fastft.loading.vision import is_vision_language
 from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
 from fastft.training.checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
-from fastft.training.data import METHODS, load_rows, prepare_rows
+from fastft.training.data import METHODS, DataError, load_rows, prepare_rows
 from fastft.training.model_card import model_card
 from fastft.training.plot import plot_loss
 from fastft.training.trl import (
@@ -35,6 +36,7 @@ from fastft.training.trl import (
     loss_history,
     sft_config,
 )
+from fastft.training.vision_data import VisionDataCollator, has_images, prepare_vision_rows, trainer_settings
 
 # The name it had as fastft/train.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.train")
@@ -159,8 +161,16 @@ def _config(options: TrainOptions, output: Path, dtype: torch.dtype) -> Any:
         raise OptionsError(f"fastft train --method {options.method}: {error}") from error
 
 
-def _trainer(options: TrainOptions, model: Any, tokenizer: Any, dataset: Any, config: Any, callbacks: list) -> Any:
-    """The trl trainer of ``options.method`` over the LoRA model."""
+def _trainer(
+    options: TrainOptions,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    config: Any,
+    callbacks: list,
+    data_collator: Any = None,
+) -> Any:
+    """The trl trainer of ``options.method`` over the LoRA model (SFT with ``data_collator`` when given)."""
     common = dict(model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=callbacks)
     if options.method == "dpo":
         from trl import DPOTrainer
@@ -177,9 +187,42 @@ def _trainer(options: TrainOptions, model: Any, tokenizer: Any, dataset: Any, co
     else:
         from trl import SFTTrainer
 
-        trainer = SFTTrainer(**common)
+        trainer = SFTTrainer(**common, data_collator=data_collator)
     _drop_reference_copy(model)
     return trainer
+
+
+def _vision_data(options: TrainOptions, rows: Any, processor: Any, config: Any) -> tuple[Any, VisionDataCollator]:
+    """The rows and collator of a vision-language run: ``--data`` (a chat file with image parts) or, for the demo, the
+    shapes set (:mod:`fastft.demo.vision`); ``config`` set to hand the raw rows to the collator."""
+    from fastft.demo.vision import vision_demo_path
+
+    if options.method != "sft":
+        raise OptionsError(
+            f"fastft train: --model {options.model} is a vision-language model, which fastft train fine-tunes with "
+            f"--method sft only (image + text chats); got --method {options.method}."
+        )
+    if getattr(processor, "image_processor", None) is None:
+        raise OptionsError(
+            f"fastft train: --model {options.model} is a vision-language model, but its processor could not be built "
+            "(the warning above says why; for Qwen2.5-VL, pip install torchvision), so its images cannot be read."
+        )
+    if options.data in (None, "demo"):
+        path, source = vision_demo_path(), "demo"
+        rows = load_rows(str(path), "sft")
+    else:
+        path, source = Path(options.data), options.data
+    if "messages" not in rows.column_names:
+        raise DataError(
+            f"fastft train: --data {source} has the columns {sorted(rows.column_names)}; a vision-language model "
+            "trains on chats: a 'messages' column of {'role', 'content'} turns, a content being text or a list of "
+            "{'type': 'text', 'text': ...} and {'type': 'image', 'image': 'path.png'} parts (and optionally "
+            "'images', for image parts without one)."
+        )
+    dataset = prepare_vision_rows(rows, path.parent if path.is_file() else None, source)
+    for name, value in trainer_settings().items():
+        setattr(config, name, value)
+    return dataset, VisionDataCollator(processor, max_length=options.seq_len)
 
 
 def _drop_reference_copy(model: Any) -> None:
@@ -350,6 +393,14 @@ def _train(
     """Add the adapter, train, and write the adapter, metrics.json and loss.png (the second half of :func:`run`)."""
     output = Path(options.output)
     wall_start = time.time() - 1  # coarse file-system clocks: a file written in this second may stamp the last one
+    collator = None
+    if is_vision_language(model.config):
+        rows, collator = _vision_data(options, rows, tokenizer, config)
+    elif has_images(rows):
+        raise DataError(
+            f"fastft train: --data {options.data} holds images, and --model {options.model} is a text model; pass a "
+            "vision-language model (e.g. Qwen/Qwen2.5-VL-3B-Instruct), or text-only data."
+        )
     with warnings.catch_warnings():
         # peft's PeftModel.__init__ reads transformers' deprecated is_gradient_checkpointing (transformers >= 5.23);
         # the FutureWarning is peft's to fix and names nothing a fastft user can change.
@@ -363,9 +414,9 @@ def _train(
             random_state=options.seed,
             compile=options.compile,
         )
-    dataset = prepare_rows(rows, options.method, tokenizer)
+    dataset = rows if collator is not None else prepare_rows(rows, options.method, tokenizer)
     stopper = StopOnSignal()
-    trainer = _trainer(options, model, tokenizer, dataset, config, [stopper])
+    trainer = _trainer(options, model, tokenizer, dataset, config, [stopper], collator)
     if isinstance(trainer.train_dataset, Sized) and len(trainer.train_dataset) == 0:
         # trl drops examples left with nothing to learn from once cut to --seq-len (a prompt that fills it all).
         raise OptionsError(
