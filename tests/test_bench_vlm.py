@@ -92,3 +92,27 @@ def test_quick_vlm_run_gives_every_system_the_same_adapters_and_loss(tmp_path) -
     # The stock loss keeps the 151,936-wide logits for backward; fastft's fused loss does not.
     assert runs["fastft"]["saved_bytes"] < 0.1 * runs["transformers+peft"]["saved_bytes"]
     assert "fastft_patches" in runs["fastft"] and runs["fastft"]["fastft_patches"]
+
+
+def test_committed_cpu_memory_table_is_its_json() -> None:
+    """bench/README.md's vision-language memory rows, rebuilt from bench/results/vlm-cpu/bench-cpu.json."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    record = json.loads((root / "bench" / "results" / "vlm-cpu" / "bench-cpu.json").read_text())
+    readme = (root / "bench" / "README.md").read_text()
+    rows = {row["system"]: row for row in record["summary"]}
+    names = {
+        "transformers+peft": "transformers + peft",
+        "fastft": "fastft",
+        "transformers+peft+gc": "transformers + peft + gc",
+        "fastft+offload": 'fastft `"offload"`',
+    }
+    bases = {"transformers+peft": "transformers+peft", "fastft": "transformers+peft"}
+    for system, label in names.items():
+        row = rows[system]
+        ratio = f"{row['saved_bytes'] / rows[bases.get(system, 'transformers+peft+gc')]['saved_bytes']:.3f}"
+        cells = f"{ratio} | |" if system in bases else f"| {ratio} |"
+        line = f"| {label} | {row['saved_bytes'] / 1e6:.1f} | {cells} {row['peak_rss_bytes'] / 1e6:.0f} |"
+        assert line in readme, line
+        assert row["adapters"] == 14 and row["loss_agrees"]

@@ -164,13 +164,30 @@ def test_processor_is_returned_with_the_model_length(vlm_dir, monkeypatch):
 
 
 @family
-def test_without_a_processor_the_tokenizer_comes_back_with_a_warning(vlm_dir):
+def test_without_torchvision_the_processor_comes_back_without_videos(vlm_dir):
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is not None:
-        pytest.skip("torchvision is installed, so Qwen3-VL's processor builds")
-    # Qwen3-VL's processor needs torchvision for its video processor, which this torch has no wheel of.
-    with pytest.warns(UserWarning, match="pip install torchvision"):
+        pytest.skip("torchvision is installed, so Qwen3-VL's whole processor builds")
+    # Qwen3-VL's processor needs torchvision for its video processor, which this torch has no wheel of: fastft builds
+    # the same processor class over the image processor and tokenizer alone, and says so.
+    with pytest.warns(UserWarning, match="without a video processor.*pip install torchvision"):
+        _, processor = FastModel.from_pretrained(str(vlm_dir), max_seq_length=96, dtype=torch.float32)
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    tokenizer = processor.tokenizer
+    assert tokenizer.model_max_length == 96 and tokenizer.convert_tokens_to_ids("<|image_pad|>") == 5
+
+
+@family
+def test_without_any_processor_the_tokenizer_comes_back_with_a_warning(vlm_dir, monkeypatch):
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise ImportError("this test: no processor can be built")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
+    monkeypatch.setattr("fastft.loading.image_processor.image_only_processor", refuse)
+    with pytest.warns(UserWarning, match="returning its tokenizer instead.*pip install torchvision"):
         _, tokenizer = FastModel.from_pretrained(str(vlm_dir), max_seq_length=96, dtype=torch.float32)
     assert tokenizer.model_max_length == 96 and tokenizer.convert_tokens_to_ids("<|image_pad|>") == 5
 
