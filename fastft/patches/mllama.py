@@ -32,6 +32,7 @@ from fastft.kernels.custom_ops import compiling
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
 from fastft.patches.decoder import (
+    _CACHE_NAMES,
     Family,
     _interface,
     attention_forward,
@@ -56,8 +57,6 @@ except ImportError:  # a transformers without Mllama
 MODEL_TYPE = "mllama"
 # transformers 4.53 returns (output, weights, cache) from both attentions; 4.54 dropped the cache.
 _RETURNS_CACHE = Version(transformers.__version__) < Version("4.54")
-# What the KV cache argument is called: 5.24's name, 4.56–5.23's, 4.53–4.55's.
-_CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 # The cross-attention's fused groups: q from the text, k | v from the image features, o.
 _Q, _KV, _O = ("q_proj",), ("k_proj", "v_proj"), ("o_proj",)
 
