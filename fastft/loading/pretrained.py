@@ -37,7 +37,13 @@ from fastft.loading.sources import (
     looks_like_path,
     resolve_max_seq_length,
 )
-from fastft.loading.vision import is_vision_language, load_processor, skip_4bit_modules, vision_model_class
+from fastft.loading.vision import (
+    is_vision_language,
+    load_processor,
+    skip_4bit_modules,
+    vision_model_class,
+    vision_parts,
+)
 from fastft.registry import apply_patches
 
 # fastft.model's, the name users' logging configurations know (and tests read in the log).
@@ -283,7 +289,7 @@ def from_pretrained(
             f"{', '.join(TOKENIZER_FILES)}). Pass the hub id or folder the tokenizer was saved into "
             "(tokenizer.save_pretrained(folder)), or leave tokenizer_name out to use the model folder's."
         )
-    check_checkpoint(source, config)
+    check_checkpoint(source, config, skip=vision_parts(config) if vision else ())
     load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
     if load_in_4bit:
         skip = skip_4bit_modules(config) if vision else None
