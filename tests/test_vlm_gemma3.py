@@ -93,6 +93,26 @@ def test_labels_on_padding_follow_the_installed_heads_loss(vlm_dir, batch):
     _assert_step_matches(model, stock, padded)
 
 
+def test_attended_labels_read_the_masks_last_columns():
+    from fastft.patches.gemma3_vision import attended_labels
+
+    labels = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    # A mask longer than the labels (a prefix-tuning prefix) is cropped on the left, as upstream crops it.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1]])
+    assert attended_labels(labels, mask).tolist() == [[-100, -100, 7, 8], [1, 2, 3, 4]]
+
+
+def test_a_head_whose_loss_is_unrecognised_keeps_the_stock_loss(vlm_dir, batch, monkeypatch):
+    from fastft.patches import gemma3_vision
+
+    monkeypatch.setattr(gemma3_vision, "head_loss", lambda: None)
+    model = _ours(vlm_dir)
+    row = next(row for row in patch_report(model) if row["name"] == "gemma3_vision.causal_lm_loss")
+    assert row["status"] == "not applicable" and "cannot reproduce it" in row["reason"], row
+    assert type(model.get_base_model()) is gemma3.Gemma3ForConditionalGeneration
+    _assert_step_matches(model, _stock(model, vlm_dir), batch)
+
+
 def test_the_image_and_its_bidirectional_block_reach_the_logits(vlm_dir, batch):
     model = _ours(vlm_dir)
     stock = _stock(model, vlm_dir)
