@@ -78,8 +78,8 @@ def test_vision_tower_adapters_match_stock_peft(vlm_dir, batch):
 
 
 def test_labels_on_padding_follow_the_installed_heads_loss(vlm_dir, batch):
-    """Up to ~5.12 the head drops predictions of tokens its attention mask hides; from ~5.23 it scores them. Labels left
-    on the padding tell the two apart, and the fused loss must do what the installed head does."""
+    """Through 5.12 at least the head drops predictions of tokens its attention mask hides; by 5.23 it scores them.
+    Labels left on the padding tell the two apart, and the fused loss must do what the installed head does."""
     from fastft.patches.gemma3_vision import head_loss
 
     padded = dict(batch, labels=batch["labels"].where(batch["attention_mask"] == 1, batch["input_ids"]))

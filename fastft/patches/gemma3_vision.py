@@ -8,14 +8,14 @@ fused path, the SigLIP vision tower and the multi-modal projector stock.
   ``mm_soft_emb_norm`` is a ``Gemma3RMSNorm`` too and stays upstream's with the tower.
 - Images: the tower's pooled, projected features are merged into ``inputs_embeds`` by upstream's ``Gemma3Model``,
   which also builds the attention masks: with ``token_type_ids`` (1 on image tokens, as the processor makes them),
-  the tokens of one image attend to each other both ways (4.53–5.22 through an ``or_mask_function``, 5.23+ through
-  ``block_sequence_ids``; 5.5.4-style releases refuse training without ``token_type_ids``). The fused attention hands
-  that mask to upstream's attention function unchanged, so the result is stock's in every lane.
+  the tokens of one image attend to each other both ways (4.53–5.5 through an ``or_mask_function``, 5.12 and later
+  through ``block_sequence_ids``; 5.5 refuses to train without ``token_type_ids``). The fused attention hands that
+  mask to upstream's attention function unchanged, so the result is stock's in every lane.
 - Loss: the fused linear cross-entropy on the conditional-generation head. That head computes its loss its own way
-  in each release, and the fused one follows it: up to about 5.12 it drops the positions whose label token is
-  masked out by the 2-D ``attention_mask`` and averages over the rest (``num_items_in_batch`` is not read:
-  ``accepts_loss_kwargs = False``); from about 5.23 it is transformers' ``ForCausalLMLoss``. Which one is read from
-  the installed forward's source once. Neither caps the logits (``final_logit_softcapping`` is Gemma3ForCausalLM's),
+  in each release, and the fused one follows it: from 4.53 to 5.12 at least it drops the positions whose label
+  token is masked out by the 2-D ``attention_mask`` and averages over the rest (``num_items_in_batch`` is not read:
+  ``accepts_loss_kwargs = False``); by 5.23 it is transformers' ``ForCausalLMLoss``. Which one is read from the
+  installed forward's source once. Neither caps the logits (``final_logit_softcapping`` is Gemma3ForCausalLM's),
   and neither does the fused loss here (the top-level ``Gemma3Config`` has no such field).
 
 The records cover the four transformers ranges the lanes test, with the signatures read from each release.
