@@ -29,7 +29,7 @@ def _weight_files(folder: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def check_checkpoint(source: str | Path, config: Any) -> int:
+def check_checkpoint(source: str | Path, config: Any, skip: tuple[str, ...] = ()) -> int:
     """Check the attention projections stored in a local safetensors checkpoint against ``config``.
 
     Only the headers are read. A hub id, a folder without safetensors, or a packed 4-bit tensor (stored as bytes)
@@ -38,6 +38,8 @@ def check_checkpoint(source: str | Path, config: Any) -> int:
     Args:
         source: The folder ``from_pretrained`` was given.
         config: Its config (already checked by :func:`fastft.contracts.check_config`).
+        skip: Module names (one part of a tensor's dotted name, e.g. ``"vision_tower"``) whose projections are not
+            the config's text attention: a vision tower's have its own sizes.
 
     Returns:
         How many projection tensors were checked.
@@ -56,12 +58,13 @@ def check_checkpoint(source: str | Path, config: Any) -> int:
 
     shape = attention_shape(config)
     expected = shape.projections()
+    skip_parts = frozenset(skip)
     checked = 0
     for file in files:
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 match = _PROJECTION.search(key)
-                if match is None:
+                if match is None or not skip_parts.isdisjoint(key.split(".")):
                     continue
                 stored = handle.get_slice(key)
                 if len(stored.get_shape()) != 2 or stored.get_dtype() in ("U8", "I8"):

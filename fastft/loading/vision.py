@@ -9,7 +9,11 @@ from typing import Any
 # model_type -> the vision side's modules (tower and merger / projector) by their names in the loaded model, as
 # bitsandbytes' skip list reads them (transformers 4.x: a substring of the module's name; 5.x: its start).
 # Qwen3-VL's DeepStack mergers sit inside its tower (model.visual.deepstack_merger_list).
-VISION_MODULES = {"qwen2_5_vl": ("model.visual",), "qwen3_vl": ("model.visual",)}
+VISION_MODULES = {
+    "qwen2_5_vl": ("model.visual",),
+    "qwen3_vl": ("model.visual",),
+    "gemma3": ("model.vision_tower", "model.multi_modal_projector"),
+}
 # model_type -> the first transformers release with the family, for the error an older one gets.
 FIRST_RELEASE = {"qwen3_vl": "4.57"}
 
@@ -36,8 +40,15 @@ def refuse_missing_family(source: str, error: ValueError) -> None:
 
 
 def is_vision_language(config: Any) -> bool:
-    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Qwen3-VL)."""
+    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Qwen3-VL, Gemma 3)."""
     return getattr(config, "model_type", None) in VISION_MODULES
+
+
+def vision_parts(config: Any) -> tuple[str, ...]:
+    """The vision side's module names, last part only (``"vision_tower"``), as they appear in a checkpoint's tensor
+    names whatever prefix the saving release gave them: their attention has the vision config's sizes, not the
+    text config's the checkpoint contract checks."""
+    return tuple(name.rsplit(".", 1)[-1] for name in VISION_MODULES[config.model_type])
 
 
 def vision_model_class() -> type:
@@ -134,4 +145,5 @@ __all__ = [
     "refuse_missing_family",
     "skip_4bit_modules",
     "vision_model_class",
+    "vision_parts",
 ]
