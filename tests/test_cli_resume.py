@@ -64,3 +64,23 @@ def test_resume_runs_to_exactly_max_steps_and_a_finished_run_is_left_alone(tiny_
     assert "already finished its 8 steps; nothing trained" in again.stdout
     assert _checkpoints(output) == [6, 8]
     assert json.loads((output / "metrics.json").read_text()) == metrics
+
+
+def test_a_checkpoint_cut_short_while_its_state_was_written_is_skipped(tmp_path, caplog):
+    """A kill while the Trainer wrote trainer_state.json (its last file) leaves it empty or cut: resuming from it
+    would fail in json.loads, so the newest checkpoint whose state parses whole is the one resumed from."""
+    from fastft.training.train import last_complete_checkpoint
+
+    for step, state in ((2, '{"global_step": 2}'), (4, '{"global_step": 4, "log_hi'), (6, ""), (8, None)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if state is not None:
+            (folder / "trainer_state.json").write_text(state)
+    with caplog.at_level("WARNING", logger="fastft.train"):
+        assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    skipped = [record.getMessage() for record in caplog.records if "is incomplete" in record.getMessage()]
+    assert [message.split("/")[-1].split(" ")[0] for message in skipped] == [
+        "checkpoint-8",
+        "checkpoint-6",
+        "checkpoint-4",
+    ]

@@ -16,9 +16,6 @@ from fastft.contracts.attention import attention_shape
 from fastft.kernels.errors import ShapeContractError
 
 _PROJECTION = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|qkv_proj|o_proj)\.weight$")
-# A vision-language checkpoint's vision side (Llama 3.2 Vision's ``vision_model``) has q / k / v / o projections of
-# its own width, not the text config's; the loaded modules are checked after loading anyway.
-_VISION_PARTS = frozenset({"vision_model", "visual", "vision_tower"})
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -32,7 +29,7 @@ def _weight_files(folder: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def check_checkpoint(source: str | Path, config: Any) -> int:
+def check_checkpoint(source: str | Path, config: Any, skip: tuple[str, ...] = ()) -> int:
     """Check the attention projections stored in a local safetensors checkpoint against ``config``.
 
     Only the headers are read. A hub id, a folder without safetensors, or a packed 4-bit tensor (stored as bytes)
@@ -41,6 +38,8 @@ def check_checkpoint(source: str | Path, config: Any) -> int:
     Args:
         source: The folder ``from_pretrained`` was given.
         config: Its config (already checked by :func:`fastft.contracts.check_config`).
+        skip: Module names (one part of a tensor's dotted name, e.g. ``"vision_tower"``) whose projections are not
+            the config's text attention: a vision tower's have its own sizes.
 
     Returns:
         How many projection tensors were checked.
@@ -59,12 +58,13 @@ def check_checkpoint(source: str | Path, config: Any) -> int:
 
     shape = attention_shape(config)
     expected = shape.projections()
+    skip_parts = frozenset(skip)
     checked = 0
     for file in files:
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 match = _PROJECTION.search(key)
-                if match is None or not _VISION_PARTS.isdisjoint(key.split(".")):
+                if match is None or not skip_parts.isdisjoint(key.split(".")):
                     continue
                 stored = handle.get_slice(key)
                 if len(stored.get_shape()) != 2 or stored.get_dtype() in ("U8", "I8"):

@@ -43,6 +43,7 @@ from fastft.loading.vision import (
     refuse_missing_family,
     skip_4bit_modules,
     vision_model_class,
+    vision_parts,
 )
 from fastft.registry import apply_patches
 
@@ -269,7 +270,10 @@ def from_pretrained(
         refuse_missing_family(source, error)
         raise
     check_config(config, source=source)
-    vision = is_vision_language(config)
+    multimodal = is_vision_language(config)
+    # A vision-language type the installed transformers also maps to a classification head (Gemma 3 from 4.57)
+    # loads as that text model: it is the reward model the task asks for.
+    vision = multimodal and not (task != "causal-lm" and type(config) in TASKS[task]._model_mapping)
     if vision and task != "causal-lm":
         raise ValueError(
             f"fastft.from_pretrained: {source} is a vision-language model ({config.model_type}); task={task!r} "
@@ -292,7 +296,7 @@ def from_pretrained(
             f"{', '.join(TOKENIZER_FILES)}). Pass the hub id or folder the tokenizer was saved into "
             "(tokenizer.save_pretrained(folder)), or leave tokenizer_name out to use the model folder's."
         )
-    check_checkpoint(source, config)
+    check_checkpoint(source, config, skip=vision_parts(config) if multimodal else ())
     load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
     if load_in_4bit:
         skip = skip_4bit_modules(config) if vision else None

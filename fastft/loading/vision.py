@@ -12,6 +12,7 @@ from typing import Any
 VISION_MODULES = {
     "qwen2_5_vl": ("model.visual",),
     "qwen3_vl": ("model.visual",),
+    "gemma3": ("model.vision_tower", "model.multi_modal_projector"),
     "mllama": ("model.vision_model", "model.multi_modal_projector"),
 }
 # model_type -> the first transformers release with the family, for the error an older one gets.
@@ -51,9 +52,16 @@ def refuse_missing_family(source: str, error: ValueError) -> None:
 
 
 def is_vision_language(config: Any) -> bool:
-    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Qwen3-VL, Llama 3.2
+    """Whether ``config`` is an image-text-to-text model fastft loads as one (Qwen2.5-VL, Qwen3-VL, Gemma 3, Llama 3.2
     Vision)."""
     return getattr(config, "model_type", None) in VISION_MODULES
+
+
+def vision_parts(config: Any) -> tuple[str, ...]:
+    """The vision side's module names, last part only (``"vision_tower"``), as they appear in a checkpoint's tensor
+    names whatever prefix the saving release gave them: their attention has the vision config's sizes, not the
+    text config's the checkpoint contract checks."""
+    return tuple(name.rsplit(".", 1)[-1] for name in VISION_MODULES[config.model_type])
 
 
 def vision_model_class() -> type:
@@ -154,4 +162,5 @@ __all__ = [
     "refuse_missing_family",
     "skip_4bit_modules",
     "vision_model_class",
+    "vision_parts",
 ]

@@ -12,6 +12,7 @@ BUILTIN = (
     "fastft.patches.llama",
     "fastft.patches.qwen",
     "fastft.patches.gemma",
+    "fastft.patches.gemma3_vision",
     "fastft.patches.phi3",
     "fastft.patches.moe",
     "fastft.patches.gpt_oss",

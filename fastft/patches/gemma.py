@@ -18,8 +18,8 @@ What Gemma 3 does differently from Llama, and where each step runs:
   cross-entropy by :func:`~fastft.patches.causal_lm.causal_lm_forward`, so the logits are still never materialised.
 - The embeddings scaled by √hidden (``Gemma3TextScaledWordEmbedding``) stay upstream's: the embedding is not patched.
 
-Only ``gemma3_text`` models are patched; the multimodal ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``)
-shares these module classes but runs stock.
+Only ``gemma3_text`` models are patched here; the multimodal ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``)
+puts these same classes in its language model through :mod:`fastft.patches.gemma3_vision`.
 """
 
 from __future__ import annotations

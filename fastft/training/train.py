@@ -94,8 +94,9 @@ def device_name() -> str:
 def last_complete_checkpoint(output: str | Path) -> str | None:
     """The newest ``checkpoint-N`` folder in ``output`` that was written to the end.
 
-    The Trainer writes ``trainer_state.json`` last, so a folder without it is what a kill during saving left
-    behind; it is skipped with a warning rather than resumed from.
+    The Trainer writes ``trainer_state.json`` last, so a folder without it, or with one cut short (a kill while it
+    was being written), is what a kill during saving left behind; it is skipped with a warning rather than resumed
+    from.
 
     Args:
         output: The run's output folder.
@@ -112,10 +113,17 @@ def last_complete_checkpoint(output: str | Path) -> str | None:
         if match and child.is_dir():
             found.append((int(match.group(1)), child))
     for _, child in sorted(found, reverse=True):
-        if (child / "trainer_state.json").exists():
+        if _whole_json(child / "trainer_state.json"):
             return str(child)
         logger.warning("fastft train: %s is incomplete (killed while saving?); skipping it.", child)
     return None
+
+
+def _whole_json(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def _check_output(options: TrainOptions) -> str | None:
