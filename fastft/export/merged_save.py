@@ -9,8 +9,10 @@ when complete: a full disk, an exception or an interrupt leaves the target as it
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from fastft.export.expert_split import split_experts
 from fastft.export.file_modes import as_if_created
-from fastft.export.merge import MergePlan, merge_plan
+from fastft.export.merge import MergedTensor, MergePlan, merge_plan
 from fastft.export.shards import WEIGHTS_NAME, Producer, parse_shard_size, plan_shards, write_index, write_shard
 from fastft.loading.dtypes import DTYPES
 from fastft.patches.causal_lm import unpatched_class
@@ -126,6 +128,41 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
     return config
 
 
+def _renamed(
+    by_name: dict[str, MergedTensor], shapes: dict[str, torch.Tensor], reverted: dict[str, torch.Tensor]
+) -> list[Producer] | None:
+    """The plan's tensors under the names transformers 5 reverted them to, when the reversal only renamed them
+    (each shape-only tensor given comes back once, unchanged: vision-language models saved with their hub names,
+    ``model.layers.*`` and ``visual.*`` for Qwen2.5-VL's in-memory ``model.language_model.*`` / ``model.visual.*``);
+    ``None`` when it did more."""
+    origin = {id(tensor): name for name, tensor in shapes.items()}
+    names = [origin.get(id(tensor)) for tensor in reverted.values()]
+    if None in names or len(set(names)) != len(shapes):
+        return None
+    return [dataclasses.replace(by_name[old], name=new) for new, old in zip(reverted, names, strict=True)]
+
+
+def _legacy_names(base: PreTrainedModel, tensors: list[MergedTensor]) -> list[Producer]:
+    """transformers 4.x's save names for a vision-language model: its ``_checkpoint_conversion_mapping`` (hub name
+    pattern -> in-memory name) reversed, the first pattern that matches each name, as its ``save_pretrained`` does;
+    other models keep their in-memory names."""
+    mapping = getattr(base, "_checkpoint_conversion_mapping", None) or {}
+    if not mapping:
+        return tensors
+    # The reversed pattern is the in-memory prefix; the replacement is the hub pattern without its anchors and
+    # lookaheads, as 4.x strips them.
+    reverse = [(memory, re.sub(r"\(.*\)", "", hub.lstrip("^"))) for hub, memory in mapping.items()]
+    out: list[Producer] = []
+    for tensor in tensors:
+        name = tensor.name
+        for pattern, replacement in reverse:
+            name, count = re.subn(pattern, replacement, name)
+            if count:
+                break
+        out.append(tensor if name == tensor.name else dataclasses.replace(tensor, name=name))
+    return out
+
+
 def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
     """The plan's tensors in the order transformers' ``save_pretrained`` would write them.
 
@@ -137,12 +174,15 @@ def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
         NotImplementedError: The model's tensors have other names or another layout on disk than in memory.
     """
     if revert_weight_conversion is None:
-        return plan.tensors
+        return _legacy_names(base, plan.tensors)
     by_name = {tensor.name: tensor for tensor in plan.tensors}
     shapes = {name: torch.empty(tensor.shape, device="meta") for name, tensor in by_name.items()}
     reverted = revert_weight_conversion(base, dict(shapes))
     if set(reverted) == set(shapes):
         return [by_name[name] for name in reverted]
+    renamed = _renamed(by_name, shapes, reverted)
+    if renamed is not None:
+        return renamed
     # transformers 5 saves fused MoE experts one tensor per expert: slices of the merged fused tensors.
     split = split_experts(by_name, reverted)
     if split is None:
