@@ -194,6 +194,47 @@ def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
     return split
 
 
+# What a vision-language checkpoint's AutoProcessor reads besides the tokenizer's files.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def _image_processor_files(base: PreTrainedModel, staging: Path) -> None:
+    """Copy a vision-language model's image (and video) processor configs from the checkpoint it was loaded from,
+    where the merged folder has none yet: ``save_merged`` is often handed the tokenizer alone (fastft returns it when
+    the processor cannot be built), and without them ``AutoProcessor`` cannot load the merged folder."""
+    if getattr(base.config, "vision_config", None) is None:
+        return
+    from transformers.utils import cached_file
+
+    source = getattr(base, "name_or_path", "")
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (staging / name).exists():
+            copied.append(name)
+            continue
+        found = (
+            cached_file(
+                source,
+                name,
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
+            if source
+            else None
+        )
+        if found is not None:
+            shutil.copyfile(found, staging / name)
+            copied.append(name)
+    if "preprocessor_config.json" not in copied:
+        logger.warning(
+            "fastft.save_merged: %s is a vision-language model, but no image processor config was found (not in the "
+            "processor passed, nor in %r); save it beside the weights (processor.save_pretrained(folder)) before "
+            "loading the folder with AutoProcessor.",
+            type(base).__name__,
+            source,
+        )
+
+
 def save_merged(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -244,6 +285,7 @@ def save_merged(
             write_index(staging, files, metadata, plan.parameters)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        _image_processor_files(base, staging)
         as_if_created(staging, recursive=True)
         _publish(staging, target)
     except BaseException:
