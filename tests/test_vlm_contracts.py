@@ -245,3 +245,22 @@ def test_a_batch_without_images_costs_no_check(model, batch):
     text_only = {key: batch[key] for key in ("input_ids", "attention_mask")}
     with torch.no_grad():
         assert model(**text_only).logits.shape[:2] == tuple(batch["input_ids"].shape)
+
+
+def _takes_type_ids(model) -> bool:
+    import inspect
+
+    return "mm_token_type_ids" in inspect.signature(model.model.forward).parameters
+
+
+def test_images_without_mm_token_type_ids_are_refused_where_the_model_reads_them(model, batch):
+    if not _takes_type_ids(model):
+        pytest.skip("this transformers' Qwen2.5-VL builds M-RoPE positions from input_ids (no mm_token_type_ids)")
+    without = {key: value for key, value in batch.items() if key != "mm_token_type_ids"}
+    _refused(model, without, "expected mm_token_type_ids of shape", "got None", "text positions")
+    types = batch["mm_token_type_ids"].clone()
+    start, _ = _image_span(batch, 1)
+    types[1, start] = 0
+    _refused(
+        model, dict(batch, mm_token_type_ids=types), "example 1", f"its {TOKENS} <|image_pad|> tokens", f"{TOKENS - 1}"
+    )

@@ -17,6 +17,7 @@ even that), deep inside the model; these name the example, the image, both count
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,11 +59,15 @@ class VisionRule:
         in_order: Images are assigned to runs of placeholder tokens in order (else counted per example).
         expected: ``(config, inputs, batch size) -> Expected``; checks the pixel tensors against the vision config
             first, raising :class:`ShapeContractError` naming the tensor, both shapes and the config values.
+        type_ids: Where the model's forward takes ``mm_token_type_ids`` (Qwen on transformers 5.x), it must come
+            with the images and mark exactly the image placeholders with 1: the model builds the image tokens'
+            M-RoPE positions from it, and without it gives them text positions (no error, another model).
     """
 
     placeholder: str
     in_order: bool
     expected: Callable[[Any, dict[str, Any], int], Expected]
+    type_ids: bool = False
 
 
 def _refuse(where: str, message: str) -> ShapeContractError:
@@ -169,7 +174,7 @@ def _tiled_images(config: Any, inputs: dict[str, Any], batch: int) -> Expected:
     return Expected(counts, lambda row: f"aspect_ratio_ids[{row}] has {counts[row]} non-padding images")
 
 
-_GRID = VisionRule("<|image_pad|>", in_order=True, expected=_grid_images)
+_GRID = VisionRule("<|image_pad|>", in_order=True, expected=_grid_images, type_ids=True)
 # Keyed on config.model_type; a family's loading adds nothing else for its batches to be checked.
 VISION_RULES: dict[str, VisionRule] = {
     "qwen2_vl": _GRID,
@@ -196,12 +201,15 @@ class _VisionInputGuard:
     """Forward pre-hook (with kwargs) of a vision-language model's backbone: each batch with images checked against
     ``rule`` before the forward runs."""
 
-    def __init__(self, name: str, config: Any, rule: VisionRule, max_seq_length: int | None) -> None:
+    def __init__(
+        self, name: str, config: Any, rule: VisionRule, max_seq_length: int | None, type_ids: bool = False
+    ) -> None:
         self.name = name
         self.config = config
         self.rule = rule
         self.max_seq_length = max_seq_length
         self.token_id = int(config.image_token_id)
+        self.type_ids = type_ids
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if kwargs.get("pixel_values") is None:
@@ -211,8 +219,9 @@ class _VisionInputGuard:
             # inputs_embeds only: the placeholders are not readable as ids, transformers compares the totals.
             return
         expected = self.rule.expected(self.config, kwargs, input_ids.shape[0])
-        # One transfer of a [batch, seq] bool mask; everything after it is host arithmetic on small lists.
-        mask = (input_ids == self.token_id).cpu()
+        # One transfer of [batch, seq] bool masks; everything after it is host arithmetic on small lists.
+        mask = input_ids == self.token_id
+        mask = self._check_type_ids(mask, kwargs.get("mm_token_type_ids")) if self.type_ids else mask.cpu()
         if self.rule.in_order:
             self._check_in_order(mask, expected)
         else:
@@ -229,6 +238,33 @@ class _VisionInputGuard:
             f"(FastModel.from_pretrained(..., max_seq_length=...) and SFTConfig(max_length=...)) so the whole image "
             "fits."
         )
+
+    def _check_type_ids(self, mask: torch.Tensor, types: Any) -> torch.Tensor:
+        """``mask`` on the host, after checking that ``mm_token_type_ids`` marks exactly its tokens as image (1)."""
+        token = self.rule.placeholder
+        fix = (
+            f"Pass mm_token_type_ids as Qwen's processor makes it: (input_ids == {self.token_id}).int() for images "
+            f"({token}), 2 for video tokens, 0 elsewhere."
+        )
+        if not isinstance(types, torch.Tensor) or types.shape != mask.shape:
+            got = list(types.shape) if isinstance(types, torch.Tensor) else repr(types)
+            raise _refuse(
+                self._where(),
+                f"expected mm_token_type_ids of shape {list(mask.shape)} (input_ids') beside pixel_values, got {got}: "
+                "this transformers builds the image tokens' M-RoPE positions from it, and without it gives them text "
+                f"positions, which the checkpoint was not trained with. {fix}",
+            )
+        both = torch.stack((mask, (types == 1) != mask)).cpu()
+        if both[1].any():
+            row = int(both[1].any(dim=1).nonzero()[0])
+            marked, placed = int((types[row] == 1).sum()), int(both[0][row].sum())
+            raise _refuse(
+                self._where(),
+                f"example {row}: expected mm_token_type_ids to mark its {placed} {token} tokens as image (1), got "
+                f"{marked} marked, not all at the same positions: the image tokens' M-RoPE positions would be "
+                f"wrong. {fix}",
+            )
+        return both[0]
 
     def _check_in_order(self, mask: torch.Tensor, expected: Expected) -> None:
         counts, token, length = expected.counts, self.rule.placeholder, mask.shape[1]
@@ -349,7 +385,12 @@ def guard_vision_inputs(model: torch.nn.Module, max_seq_length: int | None = Non
             if isinstance(hook, _VisionInputGuard):
                 hook.max_seq_length = max_seq_length
             return backbone
-    guard = _TextOnlyGuard(name, model_type) if rule is None else _VisionInputGuard(name, config, rule, max_seq_length)
+    if rule is None:
+        guard: _TextOnlyGuard | _VisionInputGuard = _TextOnlyGuard(name, model_type)
+    else:
+        # Read once: whether this transformers' backbone takes mm_token_type_ids (Qwen on 5.x does).
+        takes = "mm_token_type_ids" in inspect.signature(backbone.forward).parameters
+        guard = _VisionInputGuard(name, config, rule, max_seq_length, type_ids=rule.type_ids and takes)
     backbone.register_forward_pre_hook(guard, with_kwargs=True)
     return backbone
 
