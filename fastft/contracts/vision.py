@@ -11,6 +11,12 @@ expects is a row of :data:`VISION_RULES`, keyed on ``config.model_type``:
 - images per example (mllama, cross-attention): one ``<|image|>`` token per image, each example's images the
   non-padding entries of its ``aspect_ratio_ids`` row (padding images have id 0).
 
+Before that, the pixel tensors are checked against the vision config (Qwen: ``[sum of t·h·w, in_channels ·
+temporal_patch_size · patch_size²]`` beside ``image_grid_thw``), a run of placeholders that the end of the row cuts
+is named as truncation (with ``max_seq_length``), and where Qwen's backbone reads ``mm_token_type_ids``
+(transformers 5.x) it must mark exactly the image placeholders, else the image tokens get text M-RoPE positions
+without any error. A text-only model (no ``vision_config``) refuses ``pixel_values`` by name instead of ignoring it.
+
 transformers itself only compares the batch's total placeholder count with the image features (and mllama not
 even that), deep inside the model; these name the example, the image, both counts and what to do.
 """
