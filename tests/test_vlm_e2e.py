@@ -240,3 +240,23 @@ def test_gguf_export_refuses_a_vision_language_model_and_names_the_route(trained
     message = str(refused.value)
     assert "FastModel.save_merged" in message and "--mmproj" in message and "qwen2_5_vl" in message
     assert not any(tmp_path.iterdir())  # refused before anything was merged or written
+
+
+def test_merged_save_of_a_4bit_qlora_vlm_reloads_in_stock_transformers(vlm_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    image_text_to_text = getattr(__import__("transformers"), "AutoModelForImageTextToText", None)
+    if image_text_to_text is None:
+        pytest.skip("this transformers has no AutoModelForImageTextToText")
+    model, tokenizer = FastModel.from_pretrained(
+        str(vlm_dir), max_seq_length=64, dtype=torch.float32, load_in_4bit=True
+    )
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
+    randomize_lora_b(model, std=0.1)
+    FastModel.for_inference(model)
+    inputs = _prompt(vlm_dir)
+    ours = _logits(model, inputs)
+    # The language model's NF4 weights dequantised, the 16-bit vision tower as it was, every adapter merged.
+    folder = FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=torch.float32)
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    stock = image_text_to_text.from_pretrained(folder, **{_dtype_kwarg(): torch.float32}).eval()
+    assert relative_error(_logits(stock, inputs), ours) <= 1e-5
