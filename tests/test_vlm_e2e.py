@@ -96,7 +96,10 @@ def trained(vlm_dir, tmp_path_factory):
 
     from fastft.training.trl import sft_config
 
-    model, tokenizer = FastModel.from_pretrained(str(vlm_dir), max_seq_length=64, dtype=torch.float32)
+    model, processing = FastModel.from_pretrained(str(vlm_dir), max_seq_length=64, dtype=torch.float32)
+    # The processor where this transformers builds one, else the tokenizer (with a warning); the batches here are
+    # made by hand either way.
+    tokenizer = getattr(processing, "tokenizer", processing)
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
     randomize_lora_b(model, std=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -127,7 +130,14 @@ def trained(vlm_dir, tmp_path_factory):
         patch.setenv("FASTFT_DISABLE_TRITON", "1")
         result = trainer.train()
     handle.remove()
-    return {"model": model, "tokenizer": tokenizer, "result": result, "before": before, "images": images_seen}
+    return {
+        "model": model,
+        "processing": processing,
+        "tokenizer": tokenizer,
+        "result": result,
+        "before": before,
+        "images": images_seen,
+    }
 
 
 def test_sft_trainer_trains_on_image_batches(trained):
@@ -188,8 +198,8 @@ def test_merged_save_reloads_in_stock_transformers(trained, vlm_dir, tmp_path, d
     image_text_to_text = getattr(__import__("transformers"), "AutoModelForImageTextToText", None)
     if image_text_to_text is None:
         pytest.skip("this transformers has no AutoModelForImageTextToText")
-    model, tokenizer = trained["model"], trained["tokenizer"]
-    folder = FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=dtype)
+    model = trained["model"]
+    folder = FastModel.save_merged(model, trained["processing"], tmp_path / "merged", dtype=dtype)
     # The architecture and tensor names transformers' own save_pretrained writes for this model in this version
     # (the hub's model.layers.* / visual.* on 4.x and 5.24; 4.57 keeps architectures in text_config only).
     reference = tmp_path / "stock"
@@ -202,11 +212,9 @@ def test_merged_save_reloads_in_stock_transformers(trained, vlm_dir, tmp_path, d
         assert {weights.get_tensor(name).dtype for name in names} == {dtype}
     with safe_open(str(reference / "model.safetensors"), "pt") as weights:
         assert names == set(weights.keys())
-    # The image processor's config came along, though only the tokenizer was passed (read as a file: 5.x's
-    # AutoImageProcessor wants torchvision for its default backend).
-    preprocessor = "preprocessor_config.json"
-    assert (folder / preprocessor).read_text() == (vlm_dir / preprocessor).read_text()
-    assert json.loads((folder / preprocessor).read_text())["patch_size"] == PATCH
+    # The image processor's config is there, written by the processor or, where only the tokenizer came back,
+    # copied from the checkpoint (read as a file: 5.x's AutoImageProcessor wants torchvision for its default backend).
+    assert json.loads((folder / "preprocessor_config.json").read_text())["patch_size"] == PATCH
     stock = image_text_to_text.from_pretrained(folder, **{_dtype_kwarg(): torch.float32}).eval()
     assert type(stock) is qwen2_5_vl.Qwen2_5_VLForConditionalGeneration
     inputs = _prompt(vlm_dir)
@@ -247,7 +255,7 @@ def test_merged_save_of_a_4bit_qlora_vlm_reloads_in_stock_transformers(vlm_dir, 
     image_text_to_text = getattr(__import__("transformers"), "AutoModelForImageTextToText", None)
     if image_text_to_text is None:
         pytest.skip("this transformers has no AutoModelForImageTextToText")
-    model, tokenizer = FastModel.from_pretrained(
+    model, processing = FastModel.from_pretrained(
         str(vlm_dir), max_seq_length=64, dtype=torch.float32, load_in_4bit=True
     )
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
@@ -256,7 +264,11 @@ def test_merged_save_of_a_4bit_qlora_vlm_reloads_in_stock_transformers(vlm_dir, 
     inputs = _prompt(vlm_dir)
     ours = _logits(model, inputs)
     # The language model's NF4 weights dequantised, the 16-bit vision tower as it was, every adapter merged.
+    # Given the tokenizer alone, the merged folder still gets the checkpoint's image processor config.
+    tokenizer = getattr(processing, "tokenizer", processing)
     folder = FastModel.save_merged(model, tokenizer, tmp_path / "merged", dtype=torch.float32)
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    preprocessor = "preprocessor_config.json"
+    assert (folder / preprocessor).read_text() == (vlm_dir / preprocessor).read_text()
     stock = image_text_to_text.from_pretrained(folder, **{_dtype_kwarg(): torch.float32}).eval()
     assert relative_error(_logits(stock, inputs), ours) <= 1e-5
