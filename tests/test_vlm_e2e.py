@@ -207,6 +207,10 @@ def test_merged_save_reloads_in_stock_transformers(trained, vlm_dir, tmp_path, d
     config, stock_config = (json.loads((where / "config.json").read_text()) for where in (folder, reference))
     assert _architectures(config) == _architectures(stock_config) == ["Qwen2_5_VLForConditionalGeneration"]
     assert "quantization_config" not in config
+    # The saved dtype, at the top and in the text and vision configs that name one.
+    saved = str(dtype).removeprefix("torch.")
+    assert _dtype_of(config) == saved
+    assert {_dtype_of(config.get(part) or {}) for part in ("text_config", "vision_config")} <= {saved, None}
     with safe_open(str(folder / "model.safetensors"), "pt") as weights:
         names = set(weights.keys())
         assert {weights.get_tensor(name).dtype for name in names} == {dtype}
@@ -229,6 +233,10 @@ def test_merged_save_reloads_in_stock_transformers(trained, vlm_dir, tmp_path, d
     assert relative_error(theirs, ours) <= (1e-5 if dtype == torch.float32 else 5e-3)
     if dtype == torch.float32:
         assert torch.equal(_greedy(stock, inputs), generated)
+
+
+def _dtype_of(config: dict) -> str | None:
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def _architectures(config: dict) -> list[str] | None:

@@ -115,10 +115,17 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
         del config.quantization_config
     # transformers 4.x records the pre-quantisation torch.dtype on 4-bit loads and drops it on save only while
     # quantization_config is still there; left alone it breaks the JSON of the saved config.
-    if hasattr(config, "_pre_quantization_dtype"):
-        del config._pre_quantization_dtype
+    # A vision-language config's text and vision configs get it too (4.57).
+    for part in (config, *(value for value in vars(config).values() if isinstance(value, PretrainedConfig))):
+        if hasattr(part, "_pre_quantization_dtype"):
+            del part._pre_quantization_dtype
     # Before 4.56 the config serialises only `torch_dtype` (a torch.dtype under `dtype` is not JSON).
-    setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
+    key = "dtype" if _config_has_dtype() else "torch_dtype"
+    setattr(config, key, dtype)
+    for part in vars(config).values():
+        # A vision-language model's text and vision configs name their dtype too: the saved one, not the loaded one.
+        if isinstance(part, PretrainedConfig) and getattr(part, key, None) is not None:
+            setattr(part, key, dtype)
     # The upstream class, not fastft's patched subclass (FastLlamaForCausalLM): tools that read `architectures`
     # (vLLM, TGI, the hub's widgets) know only transformers' names.
     config.architectures = [unpatched_class(type(base)).__name__]
