@@ -199,3 +199,17 @@ def image_batch(tokenizer, image_processor) -> dict[str, torch.Tensor]:
         image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         inputs["mm_token_type_ids"] = (batch["input_ids"] == image_id).int()
     return inputs
+
+
+def stock_vlm_peft(model, folder):
+    """transformers + peft on the tiny Qwen2.5-VL in ``folder``, with ``model``'s LoRA targets and values."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = model.peft_config["default"]
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder))
+    stock = get_peft_model(
+        base, LoraConfig(r=config.r, lora_alpha=config.lora_alpha, target_modules=config.target_modules)
+    )
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    return stock

@@ -2,9 +2,10 @@
 
 Every check raises :class:`ShapeContractError` (a ``ValueError``) whose message names the module (its qualified name
 in the transformers model, e.g. ``model.layers.0.self_attn.q_proj``), the expected and the actual shape, and what to
-change. ``FastModel`` runs them at ``from_pretrained``, ``get_peft_model`` and ``load_adapter``; two of them also
-stay on the model as forward pre-hooks (a 4-bit weight's quant_state, and ``max_seq_length``), because what they
-guard can change after loading.
+change. ``FastModel`` runs them at ``from_pretrained``, ``get_peft_model`` and ``load_adapter``; three of them also
+stay on the model as forward pre-hooks (a 4-bit weight's quant_state, ``max_seq_length``, and a batch's images against
+its placeholder tokens and the vision config), because what they guard can change after loading or comes with each
+batch.
 
 Module names are relative to the transformers model (``PeftModel`` wrappers and LoRA ``base_layer`` levels are left
 out), so they read the same as in ``model.named_modules()`` of the model ``from_pretrained`` returned.
@@ -21,6 +22,7 @@ from fastft.contracts.lora import check_adapter_tensors, check_lora
 from fastft.contracts.moe import check_adapter_layout, check_moe_layout
 from fastft.contracts.quantized import check_quant_states, guard_4bit
 from fastft.contracts.sequence import guard_max_seq_length
+from fastft.contracts.vision import VISION_RULES, guard_vision_inputs
 
 # The class lives in the kernel layer, which sits above this one and raises it too (a packed 4-bit weight
 # without its quant_state); defining it there keeps one class for both layers.
@@ -41,6 +43,8 @@ __all__ = [
     "check_quant_states",
     "guard_4bit",
     "guard_max_seq_length",
+    "guard_vision_inputs",
+    "VISION_RULES",
 ]
 
 

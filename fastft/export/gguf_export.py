@@ -42,6 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastft.export.file_modes import as_if_created
 from fastft.export.gguf_arch import ARCHES, Arch, PlannedTensor, expert_tensors, write_expert_metadata
+from fastft.export.gguf_vision import refuse_vision_language
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
 
@@ -454,6 +455,7 @@ def save_gguf(
     quantization: str = "f16",
 ) -> Path:
     """Merge the LoRA adapters and write one GGUF file. See ``FastModel.save_gguf``."""
+    refuse_vision_language(model)
     gguf = _import_gguf()
     if not isinstance(quantization, str) or quantization.lower() not in QUANTIZATIONS:
         raise ValueError(f"fastft.save_gguf: quantization={quantization!r} is not one of {list(QUANTIZATIONS)}.")

@@ -9,8 +9,10 @@ when complete: a full disk, an exception or an interrupt leaves the target as it
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from fastft.export.expert_split import split_experts
 from fastft.export.file_modes import as_if_created
-from fastft.export.merge import MergePlan, merge_plan
+from fastft.export.merge import MergedTensor, MergePlan, merge_plan
 from fastft.export.shards import WEIGHTS_NAME, Producer, parse_shard_size, plan_shards, write_index, write_shard
 from fastft.loading.dtypes import DTYPES
 from fastft.patches.causal_lm import unpatched_class
@@ -113,10 +115,17 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
         del config.quantization_config
     # transformers 4.x records the pre-quantisation torch.dtype on 4-bit loads and drops it on save only while
     # quantization_config is still there; left alone it breaks the JSON of the saved config.
-    if hasattr(config, "_pre_quantization_dtype"):
-        del config._pre_quantization_dtype
+    # A vision-language config's text and vision configs get it too (4.57).
+    for part in (config, *(value for value in vars(config).values() if isinstance(value, PretrainedConfig))):
+        if hasattr(part, "_pre_quantization_dtype"):
+            del part._pre_quantization_dtype
     # Before 4.56 the config serialises only `torch_dtype` (a torch.dtype under `dtype` is not JSON).
-    setattr(config, "dtype" if _config_has_dtype() else "torch_dtype", dtype)
+    key = "dtype" if _config_has_dtype() else "torch_dtype"
+    setattr(config, key, dtype)
+    for part in vars(config).values():
+        # A vision-language model's text and vision configs name their dtype too: the saved one, not the loaded one.
+        if isinstance(part, PretrainedConfig) and getattr(part, key, None) is not None:
+            setattr(part, key, dtype)
     # The upstream class, not fastft's patched subclass (FastLlamaForCausalLM): tools that read `architectures`
     # (vLLM, TGI, the hub's widgets) know only transformers' names.
     config.architectures = [unpatched_class(type(base)).__name__]
@@ -124,6 +133,41 @@ def plain_config(base: PreTrainedModel, dtype: torch.dtype, untied: bool = False
     if untied:
         config.tie_word_embeddings = False
     return config
+
+
+def _renamed(
+    by_name: dict[str, MergedTensor], shapes: dict[str, torch.Tensor], reverted: dict[str, torch.Tensor]
+) -> list[Producer] | None:
+    """The plan's tensors under the names transformers 5 reverted them to, when the reversal only renamed them
+    (each shape-only tensor given comes back once, unchanged: vision-language models saved with their hub names,
+    ``model.layers.*`` and ``visual.*`` for Qwen2.5-VL's in-memory ``model.language_model.*`` / ``model.visual.*``);
+    ``None`` when it did more."""
+    origin = {id(tensor): name for name, tensor in shapes.items()}
+    names = [origin.get(id(tensor)) for tensor in reverted.values()]
+    if None in names or len(set(names)) != len(shapes):
+        return None
+    return [dataclasses.replace(by_name[old], name=new) for new, old in zip(reverted, names, strict=True)]
+
+
+def _legacy_names(base: PreTrainedModel, tensors: list[MergedTensor]) -> list[Producer]:
+    """transformers 4.x's save names for a vision-language model: its ``_checkpoint_conversion_mapping`` (hub name
+    pattern -> in-memory name) reversed, the first pattern that matches each name, as its ``save_pretrained`` does;
+    other models keep their in-memory names."""
+    mapping = getattr(base, "_checkpoint_conversion_mapping", None) or {}
+    if not mapping:
+        return tensors
+    # The reversed pattern is the in-memory prefix; the replacement is the hub pattern without its anchors and
+    # lookaheads, as 4.x strips them.
+    reverse = [(memory, re.sub(r"\(.*\)", "", hub.lstrip("^"))) for hub, memory in mapping.items()]
+    out: list[Producer] = []
+    for tensor in tensors:
+        name = tensor.name
+        for pattern, replacement in reverse:
+            name, count = re.subn(pattern, replacement, name)
+            if count:
+                break
+        out.append(tensor if name == tensor.name else dataclasses.replace(tensor, name=name))
+    return out
 
 
 def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
@@ -137,12 +181,15 @@ def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
         NotImplementedError: The model's tensors have other names or another layout on disk than in memory.
     """
     if revert_weight_conversion is None:
-        return plan.tensors
+        return _legacy_names(base, plan.tensors)
     by_name = {tensor.name: tensor for tensor in plan.tensors}
     shapes = {name: torch.empty(tensor.shape, device="meta") for name, tensor in by_name.items()}
     reverted = revert_weight_conversion(base, dict(shapes))
     if set(reverted) == set(shapes):
         return [by_name[name] for name in reverted]
+    renamed = _renamed(by_name, shapes, reverted)
+    if renamed is not None:
+        return renamed
     # transformers 5 saves fused MoE experts one tensor per expert: slices of the merged fused tensors.
     split = split_experts(by_name, reverted)
     if split is None:
@@ -152,6 +199,47 @@ def _disk_order(base: PreTrainedModel, plan: MergePlan) -> list[Producer]:
             "Merge with peft instead: model.merge_and_unload().save_pretrained(folder)."
         )
     return split
+
+
+# What a vision-language checkpoint's AutoProcessor reads besides the tokenizer's files.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def _image_processor_files(base: PreTrainedModel, staging: Path) -> None:
+    """Copy a vision-language model's image (and video) processor configs from the checkpoint it was loaded from,
+    where the merged folder has none yet: ``save_merged`` is often handed the tokenizer alone (fastft returns it when
+    the processor cannot be built), and without them ``AutoProcessor`` cannot load the merged folder."""
+    if getattr(base.config, "vision_config", None) is None:
+        return
+    from transformers.utils import cached_file
+
+    source = getattr(base, "name_or_path", "")
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (staging / name).exists():
+            copied.append(name)
+            continue
+        found = (
+            cached_file(
+                source,
+                name,
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
+            if source
+            else None
+        )
+        if found is not None:
+            shutil.copyfile(found, staging / name)
+            copied.append(name)
+    if "preprocessor_config.json" not in copied:
+        logger.warning(
+            "fastft.save_merged: %s is a vision-language model, but no image processor config was found (not in the "
+            "processor passed, nor in %r); save it beside the weights (processor.save_pretrained(folder)) before "
+            "loading the folder with AutoProcessor.",
+            type(base).__name__,
+            source,
+        )
 
 
 def save_merged(
@@ -204,6 +292,7 @@ def save_merged(
             write_index(staging, files, metadata, plan.parameters)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        _image_processor_files(base, staging)
         as_if_created(staging, recursive=True)
         _publish(staging, target)
     except BaseException:

@@ -21,7 +21,7 @@ from transformers import (
     ProcessorMixin,
 )
 
-from fastft.contracts import check_checkpoint, check_config, guard_max_seq_length
+from fastft.contracts import check_checkpoint, check_config, guard_max_seq_length, guard_vision_inputs
 from fastft.loading import distributed
 from fastft.loading.adapters import load_adapter
 from fastft.loading.base_names import embedded_alias
@@ -328,6 +328,7 @@ def from_pretrained(
         text_config.pad_token_id = tokenizer.pad_token_id
     model.max_seq_length = max_seq_length
     guard_max_seq_length(model, max_seq_length)
+    guard_vision_inputs(model, max_seq_length)
     apply_patches(model, enabled=patch)
     logger.info("fastft: loaded %s (%s%s)", model_name, torch_dtype, ", 4-bit NF4" if load_in_4bit else "")
     if vision:
