@@ -233,16 +233,21 @@ def count(names: list[str], fragment: str) -> int:
     return sum(fragment in name for name in names)
 
 
-def stock_like(model, folder):
-    """transformers + peft on ``folder`` with ``model``'s LoRA targets (``target_parameters`` too) and LoRA values."""
+def stock_like(model, folder, auto=None):
+    """transformers + peft on ``folder`` with ``model``'s LoRA targets (``target_parameters`` too) and LoRA values;
+    ``auto``: the auto class that loads it (default ``AutoModelForCausalLM``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     config = model.peft_config["default"]
-    options = dict(r=config.r, lora_alpha=config.lora_alpha, target_modules=list(config.target_modules))
+    targets = config.target_modules
+    # A vision-language model's targets are one pattern string, which list() would split into characters.
+    options = dict(
+        r=config.r, lora_alpha=config.lora_alpha, target_modules=targets if isinstance(targets, str) else list(targets)
+    )
     if getattr(config, "target_parameters", None):
         options["target_parameters"] = list(config.target_parameters)
-    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder)), LoraConfig(**options))
+    stock = get_peft_model((auto or AutoModelForCausalLM).from_pretrained(str(folder)), LoraConfig(**options))
     stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
     return stock
 
@@ -261,6 +266,29 @@ def assert_lora_step_matches(model, stock, required: str, **inputs) -> None:
     for name, grad in actual.items():
         assert expected[name].norm() > 0, name
         assert relative_error(grad, expected[name]) <= GRAD_TOLERANCE, name
+
+
+def vlm_lora(folder, checkpointing=False, **switches):
+    """fastft's tiny vision-language model from ``folder`` (fp32, max_seq_length 128) with r = 4 adapters chosen by
+    the ``finetune_*`` ``switches``, their B's random so every adapter reaches the loss."""
+    model, _ = FastModel.from_pretrained(str(folder), max_seq_length=128, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing, **switches)
+    randomize_lora_b(model, std=0.1)
+    return model
+
+
+def stock_vlm(model, folder):
+    """:func:`stock_like` for a vision-language model: transformers' image-text-to-text auto class."""
+    from fastft.loading.vision import vision_model_class
+
+    return stock_like(model, folder, vision_model_class())
+
+
+def assert_vlm_step_matches(model, stock, batch, required: str = "lora_A") -> None:
+    """Both in train mode, then :func:`assert_lora_step_matches` on ``batch``."""
+    model.train()
+    stock.train()
+    assert_lora_step_matches(model, stock, required, **batch)
 
 
 def assert_moe_step_matches(model, stock, **inputs) -> None:

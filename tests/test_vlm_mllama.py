@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, save_tiny_llama
-from parity import assert_lora_step_matches, count, graph_nodes
+from parity import assert_vlm_step_matches, count, graph_nodes
+from parity import stock_vlm as _stock
+from parity import vlm_lora as _ours
 from vlm_tiny_mllama import (
     CROSS_ATTENTION_LAYERS,
     IMAGE_TOKEN,
@@ -40,32 +42,10 @@ def batch(vlm_dir):
     return image_batch(tiny_processor(AutoTokenizer.from_pretrained(vlm_dir)))
 
 
-def _ours(folder, checkpointing=False, **switches):
-    model, _ = FastModel.from_pretrained(str(folder), max_seq_length=128, dtype=torch.float32)
-    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing, **switches)
-    randomize_lora_b(model, std=0.1)
-    return model
-
-
-def _stock(model, folder):
-    """transformers + peft with ``model``'s LoRA targets and values."""
-    from peft import LoraConfig, get_peft_model
-
-    config = model.peft_config["default"]
-    base = mllama.MllamaForConditionalGeneration.from_pretrained(str(folder))
-    stock = get_peft_model(
-        base, LoraConfig(r=config.r, lora_alpha=config.lora_alpha, target_modules=config.target_modules)
-    )
-    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-    return stock
-
-
 def _assert_step_matches(model, stock, batch, required=".cross_attn.k_proj.") -> None:
     """One step of each equal; ``required``: some adapter that must have trained. The cross-attention's k / v read
     only the image, so their gradients are non-zero (asserted for every adapter) only with the image in the loss."""
-    model.train()
-    stock.train()
-    assert_lora_step_matches(model, stock, required, **batch)
+    assert_vlm_step_matches(model, stock, batch, required)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])

@@ -12,7 +12,10 @@ import json
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
-from parity import assert_lora_step_matches, count, graph_nodes
+from parity import assert_vlm_step_matches as _assert_step_matches
+from parity import count, graph_nodes
+from parity import stock_vlm as _stock
+from parity import vlm_lora as _ours
 from vlm_tiny import image_batch, tiny_image_processor, tiny_tokenizer
 from vlm_tiny_qwen3 import DEEPSTACK, TEXT_LAYERS, save_tiny_qwen3_vl
 
@@ -45,32 +48,6 @@ def batch(vlm_dir):
     from transformers import AutoTokenizer
 
     return image_batch(AutoTokenizer.from_pretrained(vlm_dir), tiny_image_processor())
-
-
-def _ours(folder, checkpointing=False, **switches):
-    model, _ = FastModel.from_pretrained(str(folder), max_seq_length=128, dtype=torch.float32)
-    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing, **switches)
-    randomize_lora_b(model, std=0.1)
-    return model
-
-
-def _stock(model, folder):
-    """transformers + peft with ``model``'s LoRA targets and values."""
-    from peft import LoraConfig, get_peft_model
-
-    config = model.peft_config["default"]
-    base = qwen3_vl.Qwen3VLForConditionalGeneration.from_pretrained(str(folder))
-    stock = get_peft_model(
-        base, LoraConfig(r=config.r, lora_alpha=config.lora_alpha, target_modules=config.target_modules)
-    )
-    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-    return stock
-
-
-def _assert_step_matches(model, stock, batch) -> None:
-    model.train()
-    stock.train()
-    assert_lora_step_matches(model, stock, "lora_A", **batch)
 
 
 def _deepstack_calls(model) -> list[dict]:

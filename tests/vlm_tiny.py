@@ -203,13 +203,6 @@ def image_batch(tokenizer, image_processor) -> dict[str, torch.Tensor]:
 
 def stock_vlm_peft(model, folder):
     """transformers + peft on the tiny Qwen2.5-VL in ``folder``, with ``model``'s LoRA targets and values."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from parity import stock_vlm
 
-    config = model.peft_config["default"]
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder))
-    stock = get_peft_model(
-        base, LoraConfig(r=config.r, lora_alpha=config.lora_alpha, target_modules=config.target_modules)
-    )
-    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-    return stock
+    return stock_vlm(model, folder)
