@@ -291,6 +291,35 @@ def assert_vlm_step_matches(model, stock, batch, required: str = "lora_A") -> No
     assert_lora_step_matches(model, stock, required, **batch)
 
 
+def assert_vlm_adapter_loads_in_peft(model, folder, batch, tmp_path) -> None:
+    """``model``'s adapter saved and loaded by plain peft on the stock model gives the same logits (1e-5)."""
+    from peft import PeftModel
+
+    from fastft.loading.vision import vision_model_class
+
+    model.save_pretrained(tmp_path / "adapter")
+    plain = PeftModel.from_pretrained(vision_model_class().from_pretrained(str(folder)), str(tmp_path / "adapter"))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert relative_error(model(**batch).logits, plain(**batch).logits) <= 1e-5
+
+
+def assert_vlm_generation_matches(model, stock, batch, pad_token_id: int, new_tokens: int = 6) -> None:
+    """Greedy generation with the batch's images: fastft's tokens equal stock's, ``new_tokens`` of them."""
+    FastModel.for_inference(model)
+    stock.eval()
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    outputs = []
+    for candidate in (model, stock):
+        with torch.no_grad():
+            outputs.append(
+                candidate.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
+            )
+    assert outputs[0].shape[1] == inputs["input_ids"].shape[1] + new_tokens
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def assert_moe_step_matches(model, stock, **inputs) -> None:
     """:func:`assert_lora_step_matches` with the experts' adapters among the trained parameters."""
     assert_lora_step_matches(model, stock, ".experts.", **inputs)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error
+from parity import assert_vlm_adapter_loads_in_peft, assert_vlm_generation_matches, count, graph_nodes
 from parity import assert_vlm_step_matches as _assert_step_matches
-from parity import count, graph_nodes
 from parity import stock_vlm as _stock
 from parity import vlm_lora as _ours
 from vlm_tiny_gemma3 import IMAGE_TOKENS, image, image_batch, save_tiny_gemma3, tiny_image_processor, tiny_tokenizer
@@ -180,30 +180,12 @@ def test_dtype_applies_to_the_tower_and_the_language_model(vlm_dir):
 
 
 def test_adapter_loads_in_plain_peft(vlm_dir, batch, tmp_path):
-    from peft import PeftModel
-
-    model = _ours(vlm_dir)
-    model.save_pretrained(tmp_path / "adapter")
-    base = gemma3.Gemma3ForConditionalGeneration.from_pretrained(str(vlm_dir))
-    plain = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
-    model.eval()
-    plain.eval()
-    with torch.no_grad():
-        assert relative_error(model(**batch).logits, plain(**batch).logits) <= 1e-5
+    assert_vlm_adapter_loads_in_peft(_ours(vlm_dir), vlm_dir, batch, tmp_path)
 
 
 def test_greedy_generation_with_an_image_matches_stock(vlm_dir, batch):
     model = _ours(vlm_dir)
-    stock = _stock(model, vlm_dir)
-    FastModel.for_inference(model)
-    stock.eval()
-    inputs = {key: value for key, value in batch.items() if key != "labels"}
-    outputs = []
-    for candidate in (model, stock):
-        with torch.no_grad():
-            outputs.append(candidate.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0))
-    assert outputs[0].shape[1] == inputs["input_ids"].shape[1] + 6
-    assert torch.equal(outputs[0], outputs[1])
+    assert_vlm_generation_matches(model, _stock(model, vlm_dir), batch, pad_token_id=0)
 
 
 def test_switches_choose_the_language_model_or_the_tower(vlm_dir):
