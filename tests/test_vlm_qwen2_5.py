@@ -175,3 +175,22 @@ def test_a_batch_longer_than_max_seq_length_is_refused_by_name(vlm_dir, batch):
     length = batch["input_ids"].shape[1]
     with pytest.raises(ShapeContractError, match=f"max_seq_length=16 tokens per sequence, got {length}"):
         model(**{key: value for key, value in batch.items() if key != "labels"})
+
+
+def test_load_vision_in_4bit_quantises_the_tower_too_and_is_refused_alone(vlm_dir, batch, tiny_llama_dir):
+    pytest.importorskip("bitsandbytes")
+    model, _ = FastModel.from_pretrained(
+        str(vlm_dir), max_seq_length=128, dtype=torch.float32, load_in_4bit=True, load_vision_in_4bit=True
+    )
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    vision = {name: kind for name, kind in kinds.items() if ".visual." in name}
+    assert vision and set(vision.values()) == {"Linear4bit"}
+    assert kinds["lm_head"] == "Linear"
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="load_vision_in_4bit=True quantises.*pass it with load_in_4bit=True"):
+        FastModel.from_pretrained(str(vlm_dir), max_seq_length=128, load_vision_in_4bit=True)
+    with pytest.raises(ValueError, match="has no vision tower that fastft loads"):
+        FastModel.from_pretrained(str(tiny_llama_dir), load_in_4bit=True, load_vision_in_4bit=True)

@@ -133,19 +133,21 @@ def from_pretrained(
     patch: bool = True,
     task: str = "causal-lm",
     tokenizer_name: str | os.PathLike | None = None,
+    load_vision_in_4bit: bool = False,
     **hf_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
     """Load a causal LM (or, with ``task="sequence-classification"``, a reward model) and its tokenizer, ready for
     ``get_peft_model``; or a vision-language model and its processor.
 
-    Vision-language checkpoints (model_type ``qwen2_5_vl``: Qwen2.5-VL) load as transformers' image-text-to-text
-    model (``AutoModelForImageTextToText``), and the second value returned is the checkpoint's ``AutoProcessor``
-    (image processor + tokenizer + chat template) instead of the tokenizer; its language model runs fastft's fused
-    kernels, its vision tower and merger run upstream's modules (``patch_report`` says which is which). With
-    ``load_in_4bit`` only the language model is quantised: the vision tower and merger stay in ``dtype``, being a
-    small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose quality suffers most from 4-bit
-    (its errors reach every image token). Where the processor cannot be built (Qwen2.5-VL's needs torchvision), a
-    warning says so and the tokenizer is returned.
+    Vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, Gemma 3, Llama 3.2 Vision) load as transformers'
+    image-text-to-text model (``AutoModelForImageTextToText``), and the second value returned is the checkpoint's
+    processor (image processor + tokenizer + chat template) instead of the tokenizer; its language model runs
+    fastft's fused kernels, its vision tower and projector run upstream's modules (``patch_report`` says which is
+    which). With ``load_in_4bit`` only the language model is quantised by default: the vision tower and projector
+    stay in ``dtype``, being a small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose
+    quality suffers most from 4-bit (its errors reach every image token); ``load_vision_in_4bit`` quantises them
+    too. Where the processor cannot be built (the Qwen processors' video half needs torchvision), it is built
+    without videos, or at worst the tokenizer is returned, with a warning either way.
 
     On GPU the whole model goes onto this process's GPU: the one of ``LOCAL_RANK`` under torchrun or
     ``accelerate launch`` (one process per GPU, see :mod:`fastft.loading.distributed`), else the current one.
@@ -186,6 +188,10 @@ def from_pretrained(
             ``revision``, ``token``, ``trust_remote_code``, ``cache_dir`` and ``local_files_only``. Needed for a
             model folder saved without its tokenizer (``model.save_pretrained`` alone); the alternative is
             ``tokenizer.save_pretrained(folder)`` beside the weights.
+        load_vision_in_4bit: With ``load_in_4bit`` on a vision-language model, quantise the vision tower and
+            projector too (default off, see above; about 1 GB less for Qwen2.5-VL-7B's 0.67 B-parameter tower, at
+            its accuracy's cost). The LM head, and Llama 3.2 Vision's cross-attention projections, stay in
+            ``dtype`` either way.
         **hf_kwargs: Passed to the model class's ``from_pretrained`` (``revision``, ``token``,
             ``attn_implementation``, ``num_labels`` for a classifier, ...).
 
@@ -219,6 +225,11 @@ def from_pretrained(
             "fastft.from_pretrained: num_labels is for a classifier head, which a causal LM does not have; for "
             "a reward model pass task='sequence-classification' (num_labels defaults to 1)."
         )
+    if not isinstance(load_vision_in_4bit, bool) or (load_vision_in_4bit and not load_in_4bit):
+        raise ValueError(
+            f"fastft.from_pretrained: load_vision_in_4bit={load_vision_in_4bit!r} quantises a vision-language "
+            "model's vision tower on top of load_in_4bit; pass it with load_in_4bit=True, or leave it out."
+        )
     if load_in_4bit and "quantization_config" in hf_kwargs:
         raise ValueError("fastft.from_pretrained: pass either load_in_4bit=True or a quantization_config, not both.")
     torch_dtype = resolve_dtype(dtype, caller="fastft.from_pretrained")
@@ -251,6 +262,7 @@ def from_pretrained(
                 load_in_4bit=load_in_4bit,
                 patch=patch,
                 task=task,
+                **({"load_vision_in_4bit": True} if load_vision_in_4bit else {}),
                 **hf_kwargs,
             )
     subfolder = hf_kwargs.get("subfolder", "")
@@ -298,8 +310,13 @@ def from_pretrained(
         )
     check_checkpoint(source, config, skip=vision_parts(config) if multimodal else ())
     load_kwargs: dict[str, Any] = {_DTYPE_KWARG: torch_dtype, "device_map": distributed.device_map()}
+    if load_vision_in_4bit and not vision:
+        raise ValueError(
+            f"fastft.from_pretrained: load_vision_in_4bit=True, but {source} ({config.model_type}) has no vision "
+            "tower that fastft loads; leave load_vision_in_4bit out (load_in_4bit quantises the whole model)."
+        )
     if load_in_4bit:
-        skip = skip_4bit_modules(config) if vision else None
+        skip = skip_4bit_modules(config, vision_too=load_vision_in_4bit) if vision else None
         load_kwargs["quantization_config"] = quantization_config(torch_dtype, task, skip_modules=skip)
     if task == "sequence-classification":
         load_kwargs["num_labels"] = 1

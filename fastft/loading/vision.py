@@ -80,17 +80,19 @@ def vision_model_class() -> type:
     return found
 
 
-def skip_4bit_modules(config: Any) -> list[str]:
+def skip_4bit_modules(config: Any, vision_too: bool = False) -> list[str]:
     """What ``load_in_4bit`` leaves in 16 bit on a vision-language model: the vision tower and merger (projector),
     the LM head (bitsandbytes' own default, which naming any module replaces), and for Llama 3.2 Vision the
     cross-attention projections (:data:`LANGUAGE_16BIT`); their tanh gates and per-head norms are not linear layers
     and stay 16-bit anyway. The cross-attention layers' MLPs are quantised like every other MLP.
 
     The tower is a small share of the weights (~0.7 B of Qwen2.5-VL-7B's 8.3 B) and the part whose quality suffers
-    most from 4-bit: its errors reach every image token the language model reads.
+    most from 4-bit: its errors reach every image token the language model reads. ``vision_too``
+    (``from_pretrained(load_vision_in_4bit=True)``) quantises the tower and projector as well.
     """
     language = LANGUAGE_16BIT.get(config.model_type)
-    return [*VISION_MODULES[config.model_type], *(language(config) if language else ()), "lm_head"]
+    vision = () if vision_too else VISION_MODULES[config.model_type]
+    return [*vision, *(language(config) if language else ()), "lm_head"]
 
 
 def _first_line(error: BaseException) -> str:
