@@ -20,8 +20,10 @@ from parity import stock_vlm as _stock
 from parity import vlm_lora as _ours
 from vlm_tiny_mllama import (
     CROSS_ATTENTION_LAYERS,
+    IMAGE_SIZES,
     IMAGE_TOKEN,
     TEXT_LAYERS,
+    image,
     image_batch,
     save_tiny_mllama,
     tiny_processor,
@@ -210,3 +212,45 @@ def test_a_batch_longer_than_max_seq_length_is_refused_by_name(vlm_dir, batch):
     length = batch["input_ids"].shape[1]
     with pytest.raises(ShapeContractError, match=f"max_seq_length=16 tokens per sequence, got {length}"):
         model(**{key: value for key, value in batch.items() if key != "labels"})
+
+
+# The tiny chat template with image parts, Llama 3.2 Vision's way: one <|image|> where each image part stands.
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|eot_id|>{% endfor %}"
+)
+
+
+def test_the_collator_lays_out_the_cross_attention_mask_and_trains_like_stock(vlm_dir):
+    """VisionDataCollator with Mllama's processor: images given per example (as it wants them), its per-token
+    cross_attention_mask laid out like the ids, image and prompt tokens unlabelled; fastft's step equals stock's."""
+    from transformers import AutoTokenizer
+
+    from fastft import VisionDataCollator
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer.chat_template = VISION_TEMPLATE
+    processor = tiny_processor(tokenizer)
+    processor.chat_template = VISION_TEMPLATE
+
+    def chat(picture, question, answer):
+        user = [{"type": "image", "image": picture}, {"type": "text", "text": question}]
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+    examples = [
+        chat(image(1, IMAGE_SIZES[0]), "the cat in a hat", "a hat"),
+        chat(image(2, IMAGE_SIZES[1]), "a tin", "the tin in the hat"),
+    ]
+    batch = VisionDataCollator(processor)(examples)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert batch["cross_attention_mask"].shape[:2] == ids.shape
+    # Padding (on the right, after re-layout) sees no tile; each row's real tokens after its image see some.
+    padded = batch["attention_mask"] == 0
+    assert padded.any() and not batch["cross_attention_mask"][padded].any()
+    image_id = tokenizer.convert_tokens_to_ids("<|image|>")
+    assert ((ids == image_id).sum(dim=1) == 1).all() and (labels[ids == image_id] == -100).all()
+    assert (labels != -100).any(dim=1).all()
+    model = _ours(vlm_dir)
+    assert_vlm_step_matches(model, _stock(model, vlm_dir), batch, ".cross_attn.k_proj.")

@@ -31,7 +31,11 @@ NAME = "fastft.VisionDataCollator"
 # Column a prepared dataset carries so that an error names the example's index in the dataset, not in the batch.
 INDEX_COLUMN = "example_index"
 # Per-token outputs of a processor: laid out again (truncated, right-padded) with input_ids; the rest pass unchanged.
-_TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+# Processors that take a batch's images as one list per example (Llama 3.2 Vision's pairs each example's
+# ``<|image|>`` tokens with its own images); the others take one flat list in placeholder order.
+_NESTED_IMAGES = frozenset({"MllamaProcessor"})
+# Per-image outputs, never laid out per token, whatever their first two sizes happen to be.
+_PER_IMAGE_PREFIXES = ("pixel_", "image_", "aspect_ratio", "video_")
 _IMAGE_FORMS = "a file path, a PIL image, or an RGB array of shape [height, width, 3] or [3, height, width]"
 
 
@@ -259,7 +263,7 @@ class VisionDataCollator:
         """
         if not examples:
             raise ValueError(f"{NAME}: an empty batch.")
-        texts, images, names = [], [], []
+        texts, images, names, per_example = [], [], [], []
         for position, example in enumerate(examples):
             text, example_images = self.render(example, position)
             packed = isinstance(example, Mapping) and ("seq_lengths" in example or "position_ids" in example)
@@ -271,7 +275,10 @@ class VisionDataCollator:
                 )
             texts.append(text)
             images.extend(example_images)
+            per_example.append(example_images)
             names.append(where(example, position))
+        if images and type(self.processor).__name__ in _NESTED_IMAGES:
+            images = per_example
         batch = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
         return self._lay_out(dict(batch), names)
 
@@ -302,12 +309,19 @@ class VisionDataCollator:
                 )
             rows.append((len(tokens), keep))
         width = max(length for length, _ in rows)
-        out = {key: value for key, value in batch.items() if key not in _TOKEN_KEYS}
-        for key in _TOKEN_KEYS:
-            if key not in batch:
-                continue
+        # Every per-token tensor (ids, masks, token types, Llama 3.2 Vision's per-token cross_attention_mask) is
+        # laid out like input_ids; per-image ones (pixel values, grids) pass through.
+        per_token = [
+            key
+            for key, value in batch.items()
+            if isinstance(value, torch.Tensor)
+            and value.shape[:2] == input_ids.shape
+            and not key.startswith(_PER_IMAGE_PREFIXES)
+        ]
+        out = {key: value for key, value in batch.items() if key not in per_token}
+        for key in per_token:
             fill = self.pad_token_id if key == "input_ids" else 0
-            laid = torch.full((len(rows), width), fill, dtype=batch[key].dtype)
+            laid = torch.full((len(rows), width, *batch[key].shape[2:]), fill, dtype=batch[key].dtype)
             for row, (length, _) in enumerate(rows):
                 laid[row, :length] = batch[key][row][valid[row]][:length]
             out[key] = laid
