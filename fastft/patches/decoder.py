@@ -254,6 +254,26 @@ def mlp_plan(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor]
     return planned(module, stamp, lambda: _mlp_plan(family, module))
 
 
+def update_cache(
+    cache: Any,
+    layer_idx: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    takes_cache_position: bool,
+    cache_name: str,
+    extra: dict[str, Any],
+    cache_kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache.update`` the way the installed transformers' attention calls it: with ``cache_kwargs`` where the
+    attention takes ``cache_position`` (before 5.24), with the layer's own kwargs where the argument is ``cache``
+    (5.24 hands them to the cache, as upstream's forward does), else with the key and value alone."""
+    if takes_cache_position:
+        return cache.update(key, value, layer_idx, cache_kwargs)
+    if cache_name == "cache":
+        return cache.update(key, value, layer_idx, kwargs=extra)
+    return cache.update(key, value, layer_idx)
+
+
 def _project(
     family: Family, module: torch.nn.Module, run: Callable[..., Any], hidden_states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,15 +336,11 @@ def attention_forward(family: Family, upstream_class: type) -> Callable[..., Any
             query, key, value = _project(family, self, plan.qkv, hidden_states)
             query, key = _rotate(query, key, cos, sin)
         if cache is not None:
-            if takes_cache_position:
-                # RoPE-aware caches take sin / cos, the static cache its positions.
-                cache_kwargs = {"sin": sin, "cos": cos, "cache_position": named.get("cache_position")}
-                key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
-            elif cache_name == "cache":
-                # 5.24 hands the layer's kwargs to the cache (as upstream's forward does).
-                key, value = cache.update(key, value, self.layer_idx, kwargs=extra)
-            else:
-                key, value = cache.update(key, value, self.layer_idx)
+            # RoPE-aware caches take sin / cos, the static cache its positions.
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": named.get("cache_position")}
+            key, value = update_cache(
+                cache, self.layer_idx, key, value, takes_cache_position, cache_name, extra, cache_kwargs
+            )
         attn_output, attn_weights = plan.attention(
             self,
             query,

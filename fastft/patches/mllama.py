@@ -43,6 +43,7 @@ from fastft.patches.decoder import (
     model_type_only,
     rms_norm_forward,
     swap_class,
+    update_cache,
 )
 from fastft.patches.fused_groups import fused_o_group, fused_qkv
 from fastft.patches.lora_layers import group_weights
@@ -128,14 +129,10 @@ def cross_attention_forward(family: Family, upstream_class: type) -> Callable[..
         )
         query, key = self.q_norm(query), self.k_norm(key)
         if cache is not None:
-            if takes_cache_position:
-                cache_kwargs = {"cache_position": named.get("cache_position")}
-                key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
-            elif cache_name == "cache":
-                # 5.24 hands the layer's kwargs to the cache (as upstream's forward does).
-                key, value = cache.update(key, value, self.layer_idx, kwargs=extra)
-            else:
-                key, value = cache.update(key, value, self.layer_idx)
+            cache_kwargs = {"cache_position": named.get("cache_position")}
+            key, value = update_cache(
+                cache, self.layer_idx, key, value, takes_cache_position, cache_name, extra, cache_kwargs
+            )
         attn_output, attn_weights = plan.attention(
             self,
             query,
