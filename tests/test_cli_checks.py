@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -163,7 +164,9 @@ def test_output_that_is_a_file_is_refused(tmp_path, capsys, no_loading):
 
 
 def test_a_failure_after_loading_removes_the_folder_it_created(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(FastModel, "from_pretrained", staticmethod(lambda *a, **k: (object(), object())))
+    # A loaded text model as far as the job reads one before adding the adapter: its config's model_type.
+    loaded = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+    monkeypatch.setattr(FastModel, "from_pretrained", staticmethod(lambda *a, **k: (loaded, object())))
 
     def fail(*args, **kwargs):
         raise FileNotFoundError("the adapter could not be added")
