@@ -1,5 +1,5 @@
 """The Triton kernels of both gated activations, SwiGLU's ``silu(gate) * up`` and GeGLU's ``gelu_tanh(gate) * up``:
-one forward and one backward, the activation a compile-time flag.
+one forward and one backward (which can also write the forward's output), the activation a compile-time flag.
 
 What differs between the two is only the factor ``s`` with ``act(g) = g · s`` (``sigmoid(g)``, or ``sigmoid(2 z)``
 for the tanh GELU, see :mod:`fastft.kernels.geglu`) and the derivative ``d act / dg`` built from it; loading, the
@@ -57,10 +57,12 @@ def _gate_backward_kernel(
     up_ptr,
     dgate_ptr,
     dup_ptr,
+    h_ptr,
     n_elements,
     GELU: tl.constexpr,
     WRITE_DGATE: tl.constexpr,
     WRITE_DUP: tl.constexpr,
+    WRITE_H: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # dgate_ptr / dup_ptr may be gate_ptr / up_ptr themselves: each element is loaded before it is stored, by the
@@ -76,6 +78,11 @@ def _gate_backward_kernel(
         s, s_one_minus_s = _sigmoid_2z(g, g2)
     else:
         s = tl.sigmoid(g)
+    if WRITE_H:
+        # The forward's h, recomputed term for term as _gate_forward_kernel forms it (so bitwise the same), from the
+        # gate and up this program has loaded anyway: the LoRA gradient of down_proj needs it, and a separate forward
+        # launch would read gate and up once more.
+        tl.store(h_ptr + offsets, (g * s * u).to(h_ptr.dtype.element_ty), mask=mask)
     if WRITE_DUP:
         tl.store(dup_ptr + offsets, (dh * g * s).to(dup_ptr.dtype.element_ty), mask=mask)
     if WRITE_DGATE:
@@ -100,9 +107,10 @@ def launch_backward(
     d_gate: torch.Tensor | None,
     d_up: torch.Tensor | None,
     gelu: bool,
+    hidden: torch.Tensor | None = None,
 ) -> None:
     """Write ``d_gate`` and ``d_up`` (either may be None: not written, its work skipped); they may be ``gate`` /
-    ``up`` themselves."""
+    ``up`` themselves. ``hidden``, when given (a buffer of its own), also gets the forward's ``act(gate) * up``."""
     n_elements = gate.numel()
     if not n_elements:
         return
@@ -113,10 +121,12 @@ def launch_backward(
         up,
         gate if d_gate is None else d_gate,
         up if d_up is None else d_up,
+        gate if hidden is None else hidden,
         n_elements,
         GELU=gelu,
         WRITE_DGATE=d_gate is not None,
         WRITE_DUP=d_up is not None,
+        WRITE_H=hidden is not None,
         BLOCK=BLOCK,
     )
 

@@ -41,7 +41,14 @@ import torch.nn.functional as F
 from fastft.kernels import dispatch, gate_kernels
 
 # The same input checks, buffer rules, ops and Function as SwiGLU: one implementation of them.
-from fastft.kernels.swiglu import GatedActivation, _check_inputs, gate_forward, gate_gradients, register_gate
+from fastft.kernels.swiglu import (
+    GatedActivation,
+    _check_inputs,
+    gate_forward,
+    gate_gradients,
+    gate_gradients_and_hidden,
+    register_gate,
+)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +84,14 @@ def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_backward(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor | None, dup: torch.Tensor | None
+    dh: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dgate: torch.Tensor | None,
+    dup: torch.Tensor | None,
+    hidden: torch.Tensor | None = None,
 ) -> None:
-    gate_kernels.launch_backward(dh, gate, up, dgate, dup, gelu=True)
+    gate_kernels.launch_backward(dh, gate, up, dgate, dup, gelu=True, hidden=hidden)
 
 
 def _gelu_tanh_backward(grad: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -124,6 +136,14 @@ def geglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tu
     return gate_gradients(GEGLU, dh, gate, up, True, True, False, False)
 
 
+def geglu_backward_with_hidden(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, d gate, d up)`` in one pass, ``h`` the forward's ``gelu_tanh(gate) * up``; the gradients written over
+    ``gate`` / ``up`` when ``in_place`` (see :func:`fastft.kernels.swiglu.gate_gradients_and_hidden`); no autograd."""
+    return gate_gradients_and_hidden(GEGLU, dh, gate, up, in_place)
+
+
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """GeGLU ``gelu_tanh(gate) * up`` for Gemma's MLP, Triton on CUDA (and under the interpreter), torch on CPU.
 
@@ -148,4 +168,12 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _GEGLU_OPS.call(gate, up)
 
 
-__all__ = ["GeGLUFunction", "geglu", "geglu_backward", "geglu_backward_", "geglu_forward", "geglu_reference"]
+__all__ = [
+    "GeGLUFunction",
+    "geglu",
+    "geglu_backward",
+    "geglu_backward_",
+    "geglu_backward_with_hidden",
+    "geglu_forward",
+    "geglu_reference",
+]

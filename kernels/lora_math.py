@@ -315,7 +315,72 @@ def backward(
     ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
     segment without one gets zero gradients.
     """
-    dtype = x2d.dtype
+    grad_x, pending = backward_input(
+        spec, x2d, xa, weights, quant_states, lora_a, lora_b, grads, needs_x, needs_lora, casts
+    )
+    grad_a, grad_b = pending.finish(x2d)
+    return grad_x, grad_a, grad_b
+
+
+class PendingLoRAGrads:
+    """The LoRA gradients of one group's backward that still need the group's input ``X``: ``dA_j = s (dY B)^T X``.
+
+    :func:`backward_input` computes everything that does not need ``X`` (``dX`` and each ``dY B``), so a caller
+    whose ``X`` is cheaper to rebuild after ``dX`` is known (the MLP's ``h``, rewritten by the gate's backward
+    kernel) can hand it in later; :attr:`needs_x` says whether it is wanted at all.
+    """
+
+    __slots__ = ("_entries", "_lora_a", "_lora_b", "_cast_b", "needs_x")
+
+    def __init__(self, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> None:
+        # Per LoRA segment, in the order backward returns them: (j,) (no gradient wanted), (j, None) (zeros) or
+        # (j, dyb, grad, xa_i, scale).
+        self._entries: list[tuple[Any, ...]] = []
+        self._lora_a, self._lora_b = lora_a, lora_b
+        self.needs_x = False
+
+    def finish(self, x2d: torch.Tensor | None) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """``([dA_j], [dB_j])`` given the group's input ``x2d`` [M, K] (None only when :attr:`needs_x` is False)."""
+        grad_a: list[torch.Tensor | None] = []
+        grad_b: list[torch.Tensor | None] = []
+        zero = None if x2d is None else _zero(x2d)
+        for entry in self._entries:
+            a, b = self._lora_a[entry[0]], self._lora_b[entry[0]]
+            if len(entry) == 1:
+                grad_a.append(None)
+                grad_b.append(None)
+            elif len(entry) == 2:
+                grad_a.append(torch.zeros_like(a))
+                grad_b.append(torch.zeros_like(b))
+            else:
+                _, dyb, grad, xa_i, scale = entry
+                da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
+                db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
+                grad_a.append(da if da.dtype == a.dtype else da.to(a.dtype))
+                grad_b.append(db if db.dtype == b.dtype else db.to(b.dtype))
+        self._entries = []
+        return grad_a, grad_b
+
+
+def backward_input(
+    spec: Spec,
+    x_like: torch.Tensor,
+    xa: torch.Tensor | None,
+    weights: Sequence[torch.Tensor],
+    quant_states: Sequence[Any],
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    needs_x: bool,
+    needs_lora: Sequence[bool],
+    casts: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor | None, PendingLoRAGrads]:
+    """The part of :func:`backward` that does not read ``X``: ``(dX or None, the pending LoRA gradients)``.
+
+    ``x_like`` stands for ``X`` where only its shape, dtype and device are read (``X`` itself, or a tensor of its
+    shape); the gradients come from ``pending.finish(X)``.
+    """
+    dtype = x_like.dtype
     flat = []
     for g in grads:
         if g is not None:
@@ -335,40 +400,35 @@ def backward(
         for i, weight in zip(live, dense, strict=True):
             grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
         if grad_x is None:
-            grad_x = torch.zeros_like(x2d)
+            grad_x = torch.zeros(x_like.shape, dtype=dtype, device=x_like.device)
+    pending = PendingLoRAGrads(lora_a, lora_b)
     if not spec.lora:
-        return grad_x, [], []
+        return grad_x, pending
 
     cast_a = None if casts is None else casts.get("a")
     cast_b = None if casts is None else casts.get("b")
-    grad_a: list[torch.Tensor | None] = []
-    grad_b: list[torch.Tensor | None] = []
-    zero = _zero(x2d)
+    entries = pending._entries
     for i, j, columns, scale in spec.segments:
         if j < 0:
             continue
         a, b, grad, wants = lora_a[j], lora_b[j], flat[i], needs_lora[j]
         if grad is None or not (wants or needs_x):
-            grad_a.append(torch.zeros_like(a) if wants else None)
-            grad_b.append(torch.zeros_like(b) if wants else None)
+            entries.append((j, None) if wants else (j,))
             continue
         xa_i = xa if columns is None else xa[:, columns]
         b_in_dtype = b if cast_b is None else cast_b[j]
         # dY B: the factor that dA and the low-rank part of dX share.
         dyb = torch.mm(grad, b_in_dtype if b_in_dtype.dtype == dtype else b_in_dtype.to(dtype))
         if wants:
-            da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
-            db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
-            grad_a.append(da if da.dtype == a.dtype else da.to(a.dtype))
-            grad_b.append(db if db.dtype == b.dtype else db.to(b.dtype))
+            entries.append((j, dyb, grad, xa_i, scale))
+            pending.needs_x = True
         else:
-            grad_a.append(None)
-            grad_b.append(None)
+            entries.append((j,))
         if needs_x:
             if cast_a is not None:
                 a = cast_a if columns is None else cast_a[columns]
             grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
-    return grad_x, grad_a, grad_b
+    return grad_x, pending
 
 
 # Custom-op arguments ----------------------------------------------------------------------------------------------
@@ -553,6 +613,8 @@ def fake_gradient_list(
 
 
 __all__ = [
+    "PendingLoRAGrads",
+    "backward_input",
     "fake_gradient_list",
     "gradient_list",
     "input_gradients",

@@ -30,9 +30,9 @@ import torch
 
 from fastft.kernels import lora_math
 from fastft.kernels.custom_ops import define, register_autograd
-from fastft.kernels.geglu import geglu_backward_, geglu_forward
+from fastft.kernels.geglu import geglu_backward_, geglu_backward_with_hidden, geglu_forward
 from fastft.kernels.lora_math import LAYOUT_FIELDS, Spec
-from fastft.kernels.swiglu import swiglu_backward_, swiglu_forward
+from fastft.kernels.swiglu import swiglu_backward_, swiglu_backward_with_hidden, swiglu_forward
 
 GateForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 GateBackward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -41,6 +41,13 @@ GateBackward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.
 ACTIVATIONS: dict[str, tuple[GateForward, GateBackward]] = {
     "silu": (swiglu_forward, swiglu_backward_),
     "gelu_tanh": (geglu_forward, geglu_backward_),
+}
+
+
+# activation name -> (dH, gate, up, in_place) -> (H, d gate, d up): the backward that also rewrites the forward's H.
+HIDDEN_BACKWARDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "silu": swiglu_backward_with_hidden,
+    "gelu_tanh": geglu_backward_with_hidden,
 }
 
 
@@ -106,20 +113,25 @@ def backward(
     casts: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """``(dX, [dA], [dB])`` over the LoRA segments (gate / up ones, then down's). ``in_place`` writes the gate's
-    gradients over ``gate`` and ``up`` (the eager Function owns them); otherwise they are copied first."""
-    gate_forward, gate_backward_ = ACTIVATIONS[activation]
+    gradients over ``gate`` and ``up`` (the eager Function owns them); otherwise they go to new buffers."""
     count = len(gate_up.lora)
     gate_up_casts, down_casts = casts or (None, None)
-    hidden = gate_forward(gate, up)
     weights, states, lora_a, lora_b, _ = down_tensors
-    grad_hidden, grad_a_down, grad_b_down = lora_math.backward(
-        down, hidden, xa_down, weights, states, lora_a, lora_b, [grad], True, needs_lora[count:], down_casts
+    # dH needs only dY; the down projection's dA needs H = act(gate) * up, which the gate's backward kernel writes
+    # while it reads gate and up for their gradients, instead of a forward launch of its own before it.
+    grad_hidden, pending = lora_math.backward_input(
+        down, gate, xa_down, weights, states, lora_a, lora_b, [grad], True, needs_lora[count:], down_casts
     )
-    del hidden
-    if not in_place:
-        gate, up = gate.clone(), up.clone()
-    grad_gate, grad_up = gate_backward_(grad_hidden, gate, up)
+    if pending.needs_x:
+        hidden, grad_gate, grad_up = HIDDEN_BACKWARDS[activation](grad_hidden, gate, up, in_place)
+    else:
+        hidden = None
+        if not in_place:
+            gate, up = gate.clone(), up.clone()
+        grad_gate, grad_up = ACTIVATIONS[activation][1](grad_hidden, gate, up)
     del grad_hidden
+    grad_a_down, grad_b_down = pending.finish(hidden)
+    del hidden
     grads = [grad_gate, grad_up] if len(gate_up.widths) == 2 else [torch.cat([grad_gate, grad_up], dim=1)]
     weights, states, lora_a, lora_b, _ = gate_up_tensors
     grad_x, grad_a, grad_b = lora_math.backward(

@@ -93,8 +93,9 @@ class GatedActivation:
         activation_backward: ``(grad, gate32, out) -> grad * act'(gate32)``, one aten op; written into ``out``
             (which may be the very buffer ``gate32`` is) when ``out`` is not None.
         launch_forward: ``(gate, up) -> act(gate) * up`` on contiguous same-shape buffers, in one Triton launch.
-        launch_backward: ``(dh, gate, up, d_gate, d_up) -> None``, one Triton launch writing the gradients into the
-            given buffers (which may be ``gate`` / ``up`` themselves); a None buffer is not written.
+        launch_backward: ``(dh, gate, up, d_gate, d_up, hidden=None) -> None``, one Triton launch writing the
+            gradients into the given buffers (which may be ``gate`` / ``up`` themselves); a None buffer is not
+            written; ``hidden``, when given, gets the forward's ``act(gate) * up`` too.
     """
 
     name: str
@@ -185,6 +186,30 @@ def save_for_in_place_backward(
     ctx.gate_in_place = gate_in_place
     ctx.up_in_place = up_in_place
     ctx.save_for_backward(gate_data, up_data)
+
+
+def gate_gradients_and_hidden(
+    kind: GatedActivation, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, d gate, d up)``, no autograd: the forward's output and both gradients, for a backward that needs ``h``
+    again (the LoRA gradient of the projection it feeds) and would otherwise rerun the forward kernel for it.
+
+    On the Triton path one launch reads ``dh``, ``gate`` and ``up`` once and writes all three (``h`` bitwise what the
+    forward kernel wrote); the gradients go over ``gate`` / ``up`` when ``in_place`` (contiguous, non-overlapping
+    buffers the caller owns and bumps the version of), else into new buffers. ``h`` is always a new buffer.
+    """
+    if dispatch.use_triton(dh):
+        dh, gate, up = dh.contiguous(), gate.contiguous(), up.contiguous()
+        hidden = dispatch.empty_like(gate)
+        d_gate = gate if in_place else dispatch.empty_like(gate)
+        d_up = up if in_place else dispatch.empty_like(up)
+        if gate.numel():
+            kind.launch_backward(dh, gate, up, d_gate, d_up, hidden)
+        return hidden, d_gate, d_up
+    # Formed before the gradients land on gate / up, with gate_forward's arithmetic.
+    hidden = (kind.activation(gate.float()) * up.float()).to(gate.dtype)
+    d_gate, d_up = gate_gradients(kind, dh, gate, up, True, True, in_place, in_place)
+    return hidden, d_gate, d_up
 
 
 @dataclass(frozen=True)
@@ -281,9 +306,14 @@ def _launch_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_backward(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor | None, d_up: torch.Tensor | None
+    dh: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    d_gate: torch.Tensor | None,
+    d_up: torch.Tensor | None,
+    hidden: torch.Tensor | None = None,
 ) -> None:
-    gate_kernels.launch_backward(dh, gate, up, d_gate, d_up, gelu=False)
+    gate_kernels.launch_backward(dh, gate, up, d_gate, d_up, gelu=False, hidden=hidden)
 
 
 def _silu_backward(grad: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -321,6 +351,14 @@ def swiglu_backward_(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
     return gate_gradients(SWIGLU, dh, gate, up, True, True, True, True)
 
 
+def swiglu_backward_with_hidden(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, d gate, d up)`` in one pass, ``h`` the forward's ``silu(gate) * up``; the gradients written over
+    ``gate`` / ``up`` when ``in_place`` (see :func:`gate_gradients_and_hidden`); no autograd."""
+    return gate_gradients_and_hidden(SWIGLU, dh, gate, up, in_place)
+
+
 def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d gate, d up)`` in new tensors, ``gate`` and ``up`` untouched; no autograd (the out-of-place
     :func:`swiglu_backward_`, for a caller that is being compiled and so may not write its inputs)."""
@@ -355,10 +393,12 @@ __all__ = [
     "SwiGLUFunction",
     "gate_forward",
     "gate_gradients",
+    "gate_gradients_and_hidden",
     "register_gate",
     "swiglu",
     "swiglu_backward",
     "swiglu_backward_",
+    "swiglu_backward_with_hidden",
     "swiglu_forward",
     "swiglu_reference",
 ]

@@ -16,8 +16,22 @@ import torch.nn.functional as F
 from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
 
 from fastft.kernels.errors import ShapeContractError
-from fastft.kernels.geglu import GeGLUFunction, geglu, geglu_backward_, geglu_forward, geglu_reference
-from fastft.kernels.swiglu import SwiGLUFunction, swiglu, swiglu_backward_, swiglu_forward, swiglu_reference
+from fastft.kernels.geglu import (
+    GeGLUFunction,
+    geglu,
+    geglu_backward_,
+    geglu_backward_with_hidden,
+    geglu_forward,
+    geglu_reference,
+)
+from fastft.kernels.swiglu import (
+    SwiGLUFunction,
+    swiglu,
+    swiglu_backward_,
+    swiglu_backward_with_hidden,
+    swiglu_forward,
+    swiglu_reference,
+)
 
 SHAPES = [(1, 1, 123), (2, 67, 128), (67, 1000), (3, 5, 4096 // 4)]
 INPLACE_ERROR = "modified by an inplace operation"
@@ -33,6 +47,7 @@ class Gate:
     function: type
     forward: Callable
     backward_: Callable
+    backward_with_hidden: Callable
     activation: Callable[[torch.Tensor], torch.Tensor]  # in float64, for the expected values
     transformers_name: str  # its name in transformers' ACT2FN
     gate_scale: float  # GeGLU's gates spread over GELU's curved region (about [-4, 4]) and its flat tails
@@ -46,6 +61,7 @@ GATES = {
         SwiGLUFunction,
         swiglu_forward,
         swiglu_backward_,
+        swiglu_backward_with_hidden,
         F.silu,
         "silu",
         1.0,
@@ -57,6 +73,7 @@ GATES = {
         GeGLUFunction,
         geglu_forward,
         geglu_backward_,
+        geglu_backward_with_hidden,
         lambda t: F.gelu(t, approximate="tanh"),
         "gelu_pytorch_tanh",
         2.0,
@@ -161,6 +178,30 @@ def test_forward_and_backward_helpers_on_owned_buffers(gate_kind, kernel_path, g
     assert relative_error(h, h64) < TOLERANCE[dtype]
     assert relative_error(dgate, dgate64) < TOLERANCE[dtype]
     assert relative_error(dup, dup64) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "new-buffers"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_backward_with_hidden_rewrites_the_forward_output(gate_kind, kernel_path, gen, dtype, in_place):
+    """The fused MLP's backward takes h from the gate's backward launch (no forward launch of its own): h must be
+    bitwise what the forward wrote, and the gradients bitwise the plain backward's."""
+    shape = (7, 300)
+    gate0, up0, dh = inputs(gate_kind, shape, dtype, gen)
+    expected_h = gate_kind.forward(gate0.clone(), up0.clone())
+    expected_dgate, expected_dup = gate_kind.backward_(dh, gate0.clone(), up0.clone())
+    gate, up = gate0.clone(), up0.clone()
+
+    h, dgate, dup = gate_kind.backward_with_hidden(dh, gate, up, in_place)
+
+    assert torch.equal(h, expected_h)
+    assert torch.equal(dgate, expected_dgate) and torch.equal(dup, expected_dup)
+    assert h.data_ptr() not in (gate.data_ptr(), up.data_ptr(), dh.data_ptr())
+    if in_place:
+        assert dgate.data_ptr() == gate.data_ptr() and dup.data_ptr() == up.data_ptr()
+    else:
+        assert torch.equal(gate, gate0) and torch.equal(up, up0)
+    h64, _, _ = float64_gate(gate_kind, gate0, up0, dh)
+    assert relative_error(h, h64) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("other_first", [True, False], ids=["other-op-created-first", "other-op-created-after"])

@@ -398,6 +398,37 @@ def test_mlp_saves_inputs_gate_up_and_xa_not_the_product(kernel_path, gen):
     assert nbytes(activations(saved, projections)) == expected * element
 
 
+@pytest.mark.parametrize("down_lora", [(5, 2.0), None], ids=["down-lora", "down-frozen"])
+def test_mlp_backward_rebuilds_h_in_the_gate_backward_launch(kernel_path, gen, monkeypatch, down_lora):
+    """H is needed again in backward only for down_proj's dA: the gate's backward launch writes it (no second
+    forward launch), and only when down has an adapter to train."""
+    from fastft.kernels import gate_kernels
+
+    forward_launches, hidden_written = [], []
+    launch_forward, launch_backward = gate_kernels.launch_forward, gate_kernels.launch_backward
+
+    def counted_forward(*args, **kwargs):
+        forward_launches.append(1)
+        return launch_forward(*args, **kwargs)
+
+    def counted_backward(*args, hidden=None, **kwargs):
+        hidden_written.append(hidden is not None)
+        return launch_backward(*args, hidden=hidden, **kwargs)
+
+    monkeypatch.setattr(gate_kernels, "launch_forward", counted_forward)
+    monkeypatch.setattr(gate_kernels, "launch_backward", counted_backward)
+    projections = mlp_projections(torch.float32, gen, [(2, 1.0), (3, 0.5), down_lora])
+    x = random_tensor((37, HIDDEN), torch.float32, gen).requires_grad_()
+
+    run_and_compare(lora_mlp, mlp_reference, x, projections, torch.float32, gen)
+
+    if kernel_path == "reference":
+        assert forward_launches == [] and hidden_written == []
+    else:
+        assert len(forward_launches) == 1  # the forward's; backward launched none
+        assert hidden_written == [down_lora is not None]
+
+
 def test_function_classes_are_the_graph_nodes(kernel_path, gen):
     dtype = torch.float32
     x = random_tensor((5, HIDDEN), dtype, gen).requires_grad_()
