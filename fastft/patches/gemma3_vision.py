@@ -39,11 +39,10 @@ from fastft.patches.decoder import (
     loss_fallbacks,
     mlp_activation,
     model_type_only,
-    swap_class,
 )
 from fastft.patches.gemma import GEMMA3, GEMMA3_RMS_NORM, FastGemma3Attention, FastGemma3MLP, FastGemma3RMSNorm
 from fastft.patches.llama import ATTENTION_5_DEFAULTS, ATTENTION_453, ATTENTION_456, renamed_cache
-from fastft.registry import PatchRecord, register
+from fastft.patches.parts import Part, register_parts
 
 MODEL_TYPE = "gemma3"
 _IGNORE_INDEX = -100
@@ -178,60 +177,45 @@ _RANGES = (
     (">=5.24,<5.25", renamed_cache(ATTENTION_5_DEFAULTS), _HEAD_524),
 )
 _ATTENTION_GROUPS = {".qkv": GEMMA3.qkv, ".o_proj": GEMMA3.o}
-# (part, upstream class, fast class, applies_to, fallbacks, apply, GEMM groups)
-_PARTS: tuple[tuple[str, type, type, Callable, Callable | None, Callable, tuple[str, ...]], ...] = (
-    ("rms_norm", gemma3.Gemma3RMSNorm, FastGemma3RMSNorm, _only, None, language_model_only, ()),
-    (
+_PARTS = (
+    Part("rms_norm", gemma3.Gemma3RMSNorm, FastGemma3RMSNorm, _only, swap=language_model_only),
+    Part(
         "attention",
         gemma3.Gemma3Attention,
         FastGemma3Attention,
         _only,
         group_fallbacks((FastGemma3Attention,), _ATTENTION_GROUPS),
-        language_model_only,
         ("qkv", "o"),
+        language_model_only,
     ),
-    (
+    Part(
         "mlp",
         gemma3.Gemma3MLP,
         FastGemma3MLP,
         _gated_mlp_only,
         group_fallbacks((FastGemma3MLP,), {"": GEMMA3.mlp}),
-        language_model_only,
         ("gate_up", "down"),
+        language_model_only,
     ),
-    (
+    Part(
         "causal_lm_loss",
         _HEAD,
         FastGemma3ForConditionalGeneration,
         _loss_only,
         loss_fallbacks(FastGemma3ForConditionalGeneration),
-        swap_class,
-        (),
     ),
 )
 
-for _versions, _attention, _head in _RANGES:
-    for _part, _upstream, _fast, _applies, _fallbacks, _swap, _groups in _PARTS:
-        _fingerprint = {
-            "rms_norm": GEMMA3_RMS_NORM,
-            "attention": _attention,
-            "mlp": "(self, x)",
-            "causal_lm_loss": _head,
-        }[_part]
-        register(
-            PatchRecord(
-                name=f"gemma3_vision.{_part}",
-                target=f"{gemma3.__name__}.{_upstream.__name__}.forward",
-                versions={"transformers": _versions},
-                fingerprint=_fingerprint,
-                applies_to=_applies,
-                apply=_swap(_upstream, _fast),
-                replacement=_fast,
-                fallbacks=_fallbacks,
-                gemm_groups=_groups,
-                model_types=(MODEL_TYPE,),
-            )
-        )
+register_parts(
+    "gemma3_vision",
+    gemma3,
+    MODEL_TYPE,
+    [
+        (v, {"rms_norm": GEMMA3_RMS_NORM, "attention": a, "mlp": "(self, x)", "causal_lm_loss": h})
+        for v, a, h in _RANGES
+    ],
+    _PARTS,
+)
 
 
 __all__ = ["FastGemma3ForConditionalGeneration", "attended_labels", "head_loss", "language_model_only"]

@@ -21,8 +21,6 @@ kernel (CPU, pre-Hopper GPUs); fastft trains those dequantised 16-bit experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from fastft.kernels import rms_norm
@@ -33,12 +31,11 @@ from fastft.patches.decoder import (
     loss_fallbacks,
     model_type_only,
     repeat_half_tables,
-    swap_class,
 )
 from fastft.patches.llama import renamed_cache
 from fastft.patches.moe import CAUSAL_LM_5, CAUSAL_LM_456, experts_fallbacks, experts_only_on_5, moe_causal_lm_forward
 from fastft.patches.moe_experts import experts_runner
-from fastft.registry import PatchRecord, register
+from fastft.patches.parts import Part, register_parts
 
 try:
     from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
@@ -116,27 +113,33 @@ if gpt_oss is not None:
     )
     _only = model_type_only("gpt_oss")
     _GROUPS = {".qkv": GPT_OSS.qkv, ".o_proj": GPT_OSS.o}
-    _parts: tuple[tuple[str, str, type | None, Callable, Callable | None], ...] = (
-        ("rms_norm", "RMSNorm", FastGptOssRMSNorm, _only, None),
-        ("experts", "MLP", FastGptOssMLP, experts_only_on_5(GPT_OSS), experts_fallbacks(FastGptOssMLP)),
-        ("causal_lm_loss", "ForCausalLM", FastGptOssForCausalLM, _only, loss_fallbacks(FastGptOssForCausalLM)),
-        ("attention", "Attention", FastGptOssAttention, _only, group_fallbacks((FastGptOssAttention,), _GROUPS)),
+    _upstream = GPT_OSS.upstream_class
+    _parts = (
+        Part("rms_norm", _upstream("RMSNorm"), FastGptOssRMSNorm, _only),
+        Part("experts", _upstream("MLP"), FastGptOssMLP, experts_only_on_5(GPT_OSS), experts_fallbacks(FastGptOssMLP)),
+        Part(
+            "causal_lm_loss",
+            _upstream("ForCausalLM"),
+            FastGptOssForCausalLM,
+            _only,
+            loss_fallbacks(FastGptOssForCausalLM),
+        ),
+        Part(
+            "attention",
+            _upstream("Attention"),
+            FastGptOssAttention,
+            _only,
+            group_fallbacks((FastGptOssAttention,), _GROUPS),
+            ("qkv", "o"),
+        ),
     )
-    for (_versions, _causal_lm), _attention in zip(_RANGES, _ATTENTION, strict=True):
-        for _part, _suffix, _fast, _applies, _fallbacks in _parts:
-            _upstream = GPT_OSS.upstream_class(_suffix)
-            _fingerprint = {"causal_lm_loss": _causal_lm, "attention": _attention}.get(_part, "(self, hidden_states)")
-            register(
-                PatchRecord(
-                    name=f"gpt_oss.{_part}",
-                    target=f"{gpt_oss.__name__}.{_upstream.__name__}.forward",
-                    versions={"transformers": _versions},
-                    fingerprint=_fingerprint,
-                    applies_to=_applies,
-                    apply=swap_class(_upstream, _fast),
-                    replacement=_fast,
-                    fallbacks=_fallbacks,
-                    gemm_groups=("qkv", "o") if _part == "attention" else (),
-                    model_types=("gpt_oss",),
-                )
-            )
+    register_parts(
+        "gpt_oss",
+        gpt_oss,
+        "gpt_oss",
+        [
+            (versions, {"causal_lm_loss": causal_lm, "attention": attention})
+            for (versions, causal_lm), attention in zip(_RANGES, _ATTENTION, strict=True)
+        ],
+        _parts,
+    )

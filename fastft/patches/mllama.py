@@ -42,13 +42,12 @@ from fastft.patches.decoder import (
     mlp_activation,
     model_type_only,
     rms_norm_forward,
-    swap_class,
     update_cache,
 )
 from fastft.patches.fused_groups import fused_o_group, fused_qkv
 from fastft.patches.lora_layers import group_weights
+from fastft.patches.parts import Part, register_parts
 from fastft.patches.plans import group_objects, group_stamp, planned
-from fastft.registry import PatchRecord, register
 
 try:
     from transformers.models.mllama import modeling_mllama as mllama
@@ -247,9 +246,9 @@ if mllama is not None:
     )
     _only = model_type_only(MODEL_TYPE)
     _CROSS_GROUPS = {".q_proj": _Q, ".kv": _KV, ".o_proj": _O}
-    _parts: tuple[tuple[str, type, type, Callable, Callable | None, tuple[str, ...]], ...] = (
-        ("rms_norm", mllama.MllamaTextRMSNorm, FastMllamaTextRMSNorm, _only, None, ()),
-        (
+    _parts = (
+        Part("rms_norm", mllama.MllamaTextRMSNorm, FastMllamaTextRMSNorm, _only),
+        Part(
             "attention",
             mllama.MllamaTextSelfAttention,
             FastMllamaTextSelfAttention,
@@ -257,7 +256,7 @@ if mllama is not None:
             group_fallbacks((FastMllamaTextSelfAttention,), {".qkv": MLLAMA.qkv, ".o_proj": MLLAMA.o}),
             ("qkv", "o"),
         ),
-        (
+        Part(
             "cross_attention",
             mllama.MllamaTextCrossAttention,
             FastMllamaTextCrossAttention,
@@ -265,7 +264,7 @@ if mllama is not None:
             group_fallbacks((FastMllamaTextCrossAttention,), _CROSS_GROUPS),
             ("qkv", "o"),
         ),
-        (
+        Part(
             "mlp",
             mllama.MllamaTextMLP,
             FastMllamaTextMLP,
@@ -273,34 +272,21 @@ if mllama is not None:
             group_fallbacks((FastMllamaTextMLP,), {"": MLLAMA.mlp}),
             ("gate_up", "down"),
         ),
-        (
+        Part(
             "causal_lm_loss",
             mllama.MllamaForConditionalGeneration,
             FastMllamaForConditionalGeneration,
             _only,
             loss_fallbacks(FastMllamaForConditionalGeneration),
-            (),
         ),
     )
-    for _versions, _self_attention, _cross_attention, _head in _RANGES:
-        _fingerprints = {
-            "attention": _self_attention,
-            "cross_attention": _cross_attention,
-            "causal_lm_loss": _head,
-            "mlp": "(self, x)",
-        }
-        for _part, _upstream, _fast, _applies, _fallbacks, _groups in _parts:
-            register(
-                PatchRecord(
-                    name=f"mllama.{_part}",
-                    target=f"{mllama.__name__}.{_upstream.__name__}.forward",
-                    versions={"transformers": _versions},
-                    fingerprint=_fingerprints.get(_part, "(self, hidden_states)"),
-                    applies_to=_applies,
-                    apply=swap_class(_upstream, _fast),
-                    replacement=_fast,
-                    fallbacks=_fallbacks,
-                    gemm_groups=_groups,
-                    model_types=(MODEL_TYPE,),
-                )
-            )
+    register_parts(
+        "mllama",
+        mllama,
+        MODEL_TYPE,
+        [
+            (v, {"attention": a, "cross_attention": c, "causal_lm_loss": h, "mlp": "(self, x)"})
+            for v, a, c, h in _RANGES
+        ],
+        _parts,
+    )

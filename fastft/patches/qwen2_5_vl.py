@@ -35,7 +35,7 @@ from fastft.patches.decoder import (
     model_type_only,
     rms_norm_forward,
 )
-from fastft.registry import PatchRecord, register
+from fastft.patches.parts import Part, register_parts
 
 try:
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5_vl
@@ -201,52 +201,43 @@ if qwen2_5_vl is not None:
     )
     _only = model_type_only(MODEL_TYPE)
     _HEAD = qwen2_5_vl.Qwen2_5_VLForConditionalGeneration
-    _parts: tuple[tuple[str, type, type, Callable, Callable | None, Callable, tuple[str, ...]], ...] = (
-        ("rms_norm", _NORM, FastQwen2_5_VLRMSNorm, _only, None, language_model_swap, ()),
-        (
+
+    def _swap(upstream: type, fast: type) -> Callable[[torch.nn.Module], int]:
+        return language_model_swap(upstream, fast, _VISION)
+
+    _parts = (
+        Part("rms_norm", _NORM, FastQwen2_5_VLRMSNorm, _only, swap=_swap),
+        Part(
             "attention",
             qwen2_5_vl.Qwen2_5_VLAttention,
             FastQwen2_5_VLAttention,
             _only,
             group_fallbacks((FastQwen2_5_VLAttention,), {".qkv": QWEN2_5_VL.qkv, ".o_proj": QWEN2_5_VL.o}),
-            language_model_swap,
             ("qkv", "o"),
+            _swap,
         ),
-        (
+        Part(
             "mlp",
             qwen2_5_vl.Qwen2MLP,
             FastQwen2_5_VLMLP,
             text_mlp_only(MODEL_TYPE),
             group_fallbacks((FastQwen2_5_VLMLP,), {"": QWEN2_5_VL.mlp}),
-            language_model_swap,
             ("gate_up", "down"),
+            _swap,
         ),
-        (
+        Part(
             "causal_lm_loss",
             _HEAD,
             FastQwen2_5_VLForConditionalGeneration,
             _only,
             loss_fallbacks(FastQwen2_5_VLForConditionalGeneration),
-            language_model_swap,
-            (),
+            swap=_swap,
         ),
     )
-    for _versions, _attention, _head in _RANGES:
-        for _part, _upstream, _fast, _applies, _fallbacks, _swap, _groups in _parts:
-            _fingerprint = {"attention": _attention, "causal_lm_loss": _head, "mlp": "(self, x)"}.get(
-                _part, "(self, hidden_states)"
-            )
-            register(
-                PatchRecord(
-                    name=f"qwen2_5_vl.{_part}",
-                    target=f"{qwen2_5_vl.__name__}.{_upstream.__name__}.forward",
-                    versions={"transformers": _versions},
-                    fingerprint=_fingerprint,
-                    applies_to=_applies,
-                    apply=_swap(_upstream, _fast, _VISION),
-                    replacement=_fast,
-                    fallbacks=_fallbacks,
-                    gemm_groups=_groups,
-                    model_types=(MODEL_TYPE,),
-                )
-            )
+    register_parts(
+        "qwen2_5_vl",
+        qwen2_5_vl,
+        MODEL_TYPE,
+        [(v, {"attention": a, "causal_lm_loss": h, "mlp": "(self, x)"}) for v, a, h in _RANGES],
+        _parts,
+    )

@@ -22,8 +22,6 @@ from that release.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fastft.patches.causal_lm import FusedLossState, causal_lm_forward
 from fastft.patches.decoder import (
     Family,
@@ -33,10 +31,9 @@ from fastft.patches.decoder import (
     loss_fallbacks,
     model_type_only,
     rms_norm_forward,
-    swap_class,
 )
+from fastft.patches.parts import Part, register_parts
 from fastft.patches.qwen2_5_vl import text_mlp_only
-from fastft.registry import PatchRecord, register
 
 try:
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
@@ -105,9 +102,9 @@ if qwen3_vl is not None:
         ),
     )
     _only = model_type_only(MODEL_TYPE)
-    _parts: tuple[tuple[str, type, type, Callable, Callable | None, tuple[str, ...]], ...] = (
-        ("rms_norm", qwen3_vl.Qwen3VLTextRMSNorm, FastQwen3VLTextRMSNorm, _only, None, ()),
-        (
+    _parts = (
+        Part("rms_norm", qwen3_vl.Qwen3VLTextRMSNorm, FastQwen3VLTextRMSNorm, _only),
+        Part(
             "attention",
             qwen3_vl.Qwen3VLTextAttention,
             FastQwen3VLTextAttention,
@@ -115,7 +112,7 @@ if qwen3_vl is not None:
             group_fallbacks((FastQwen3VLTextAttention,), {".qkv": QWEN3_VL.qkv, ".o_proj": QWEN3_VL.o}),
             ("qkv", "o"),
         ),
-        (
+        Part(
             "mlp",
             qwen3_vl.Qwen3VLTextMLP,
             FastQwen3VLTextMLP,
@@ -123,31 +120,18 @@ if qwen3_vl is not None:
             group_fallbacks((FastQwen3VLTextMLP,), {"": QWEN3_VL.mlp}),
             ("gate_up", "down"),
         ),
-        (
+        Part(
             "causal_lm_loss",
             qwen3_vl.Qwen3VLForConditionalGeneration,
             FastQwen3VLForConditionalGeneration,
             _only,
             loss_fallbacks(FastQwen3VLForConditionalGeneration),
-            (),
         ),
     )
-    for _versions, _attention, _head in _RANGES:
-        for _part, _upstream, _fast, _applies, _fallbacks, _groups in _parts:
-            _fingerprint = {"attention": _attention, "causal_lm_loss": _head, "mlp": "(self, x)"}.get(
-                _part, "(self, hidden_states)"
-            )
-            register(
-                PatchRecord(
-                    name=f"qwen3_vl.{_part}",
-                    target=f"{qwen3_vl.__name__}.{_upstream.__name__}.forward",
-                    versions={"transformers": _versions},
-                    fingerprint=_fingerprint,
-                    applies_to=_applies,
-                    apply=swap_class(_upstream, _fast),
-                    replacement=_fast,
-                    fallbacks=_fallbacks,
-                    gemm_groups=_groups,
-                    model_types=(MODEL_TYPE,),
-                )
-            )
+    register_parts(
+        "qwen3_vl",
+        qwen3_vl,
+        MODEL_TYPE,
+        [(v, {"attention": a, "causal_lm_loss": h, "mlp": "(self, x)"}) for v, a, h in _RANGES],
+        _parts,
+    )
