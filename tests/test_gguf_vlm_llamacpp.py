@@ -65,12 +65,30 @@ def test_llama_cpp_language_model_logits_match_transformers(exported):
     assert llm.tokenize(b"the cat in a hat", add_bos=False, special=False) == ids
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
-    with torch.no_grad():
-        ours = model(input_ids=torch.tensor([ids])).logits[0].float()
-    error = float((theirs - ours).abs().max() / ours.abs().max())
-    # Measured here: 1.04e-3 with float32 weights and KV cache, flash attention on or off, about the same at every
-    # position (the first included, where rotary positions cannot matter), so it is not the M-RoPE layout.
-    assert error < 2e-3, f"llama.cpp's logits differ from transformers' by {error:.2e} (relative to the largest)"
+    errors = {}
+    norms = [module for module in model.modules() if hasattr(module, "variance_epsilon")]
+    text_norms = [module for module in norms if ".visual." not in _name_of(model, module)]
+    saved = [module.variance_epsilon for module in text_norms]
+    try:
+        # llama.cpp 0.3.36's qwen2vl does not read attention.layer_norm_rms_epsilon (the file has it, 1e-6) and
+        # normalises with epsilon 0; on this tiny model that alone is a 1e-3 difference, so the reference is computed
+        # both ways and the file must match one of them to float32 rounding.
+        for epsilon in ("config", 0.0):
+            if epsilon == 0.0:
+                for module in text_norms:
+                    module.variance_epsilon = 0.0
+            with torch.no_grad():
+                ours = model(input_ids=torch.tensor([ids])).logits[0].float()
+            errors[epsilon] = float((theirs - ours).abs().max() / ours.abs().max())
+    finally:
+        for module, epsilon in zip(text_norms, saved, strict=True):
+            module.variance_epsilon = epsilon
+    # Measured here: 1.0e-3 against the config's epsilon, 3e-7 against epsilon 0.
+    assert min(errors.values()) < 1e-5, f"llama.cpp's logits differ from transformers' by {errors}"
+
+
+def _name_of(model, target) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
 
 
 def _encode_with_mtmd(files, pixels: np.ndarray) -> np.ndarray:
