@@ -286,3 +286,18 @@ def test_unknown_quantization_is_refused_with_the_list(trained, tmp_path):
     with pytest.raises(ValueError, match=r"quantization='q3_x' is not one of \["):
         FastModel.save_gguf(trained.model, trained.tokenizer, tmp_path, quantization="q3_x")
     assert not any(tmp_path.iterdir())
+
+
+def test_cli_export_of_a_vlm_adapter_writes_both_files(trained, exported, tmp_path, capsys):
+    from fastft.cli import main
+
+    adapter = tmp_path / "adapter"
+    trained.model.save_pretrained(adapter)
+    out = tmp_path / "gguf"
+    assert main(["export", "--adapter", str(adapter), "--gguf", str(out)]) == 0
+    files = sorted(path.name for path in out.iterdir())
+    assert len(files) == 2 and files[0].startswith("mmproj-") and files[0].endswith("-f16.gguf")
+    assert f"{out / files[1]} and {out / files[0]}" in capsys.readouterr().out
+    ours = _tensors(gguf.GGUFReader(out / files[0]))["v.blk.1.attn_v.weight"]
+    expected = _tensors(exported.mmproj)["v.blk.1.attn_v.weight"]
+    _close(_values(ours), _values(expected), f16=True)

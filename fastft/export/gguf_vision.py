@@ -27,8 +27,9 @@ _REFUSED = {
         "write yet"
     ),
     "gemma3": (
-        "fastft does not write Gemma 3's files yet (llama.cpp's gemma3 language model, with each norm weight stored "
-        "as 1 + w, and the gemma3 projector mmproj)"
+        "fastft does not write Gemma 3's files yet: its checkpoints' tokenizer is SentencePiece-style (byte-fallback "
+        "BPE), which fastft's GGUF tokenizer writer does not handle (byte-level BPE only), and its language model "
+        "(llama.cpp's gemma3: each norm weight stored as 1 + w) and gemma3-projector mmproj are not written"
     ),
 }
 
