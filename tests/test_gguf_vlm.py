@@ -301,3 +301,36 @@ def test_cli_export_of_a_vlm_adapter_writes_both_files(trained, exported, tmp_pa
     ours = _tensors(gguf.GGUFReader(out / files[0]))["v.blk.1.attn_v.weight"]
     expected = _tensors(exported.mmproj)["v.blk.1.attn_v.weight"]
     _close(_values(ours), _values(expected), f16=True)
+
+
+def test_a_failure_in_the_second_file_leaves_neither(trained, tmp_path, monkeypatch):
+    import fastft.export.gguf_vlm as gguf_vlm
+
+    store = gguf_vlm._store
+
+    def failing(gguf_module, name, *args, **kwargs):
+        if name.startswith("v."):
+            raise OSError("disk full (simulated)")
+        return store(gguf_module, name, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_vlm, "_store", failing)
+    with pytest.raises(OSError, match="simulated"):
+        FastModel.save_gguf(trained.model, trained.tokenizer, tmp_path)
+    # The language model's file was complete, but without its projector it is not renamed into place.
+    assert not any(tmp_path.iterdir())
+
+
+def test_tied_embeddings_write_no_output_tensor(tmp_path):
+    # Qwen2.5-VL 3B ties its head to the embeddings: llama.cpp's qwen2vl then reads token_embd for both.
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from vlm_tiny import tiny_config, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer)).float()
+    model.lm_head.weight = model.get_input_embeddings().weight
+    processor = SimpleNamespace(tokenizer=tokenizer, image_processor=tiny_image_processor())
+    files = FastModel.save_gguf(model, processor, tmp_path / "tied.gguf")
+    tensors = _tensors(gguf.GGUFReader(files.model))
+    assert "output.weight" not in tensors
+    _close(_values(tensors["token_embd.weight"]), model.get_input_embeddings().weight.detach(), f16=True)
