@@ -137,6 +137,7 @@ def test_two_files_named_as_llama_cpp_users_expect(exported, vlm_dir):
 def test_language_model_is_qwen2vl_with_mrope_sections(exported, trained):
     reader = exported.model
     assert _field(reader, "general.architecture") == "qwen2vl"
+    assert _field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
     assert _field(reader, "qwen2vl.rope.dimension_sections") == [2, 3, 3, 0]
     assert _field(reader, "qwen2vl.embedding_length") == HIDDEN
     assert _field(reader, "qwen2vl.block_count") == TEXT_LAYERS
@@ -170,6 +171,7 @@ def test_mmproj_metadata_is_what_llama_cpp_clip_reads(exported):
     processor = tiny_image_processor()
     assert _field(reader, "general.architecture") == "clip"
     assert _field(reader, "general.type") == "mmproj"
+    assert _field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
     assert _field(reader, "clip.has_vision_encoder") is True
     assert _field(reader, "clip.projector_type") == "qwen2.5vl_merger"
     assert _field(reader, "clip.use_silu") is True

@@ -58,6 +58,8 @@ _VISUAL = "model.visual."
 _LLAMACPP_MERGE, _LLAMACPP_TEMPORAL = 2, 2
 # The attention window llama.cpp's clip uses for qwen2.5vl_merger, in pixels (it reads no window size for it).
 _LLAMACPP_WINDOW = 112
+# The language model's tensor types -> gguf.LlamaFileType member names.
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 # The converter's default when the vision config names no image size (Qwen2.5-VL's has none).
 _DEFAULT_IMAGE_SIZE = 560
 
@@ -319,12 +321,6 @@ def _language_metadata(gguf: Any, base: PreTrainedModel, tokenizer: Any, stem: s
     text = _text_config(base.config)
     theta, sections = _mrope(text)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    file_types = {
-        "f32": gguf.LlamaFileType.ALL_F32,
-        "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    }
     n_vocab = int(base.get_input_embeddings().weight.shape[0])
 
     def write(writer: Any) -> None:
@@ -341,7 +337,7 @@ def _language_metadata(gguf: Any, base: PreTrainedModel, tokenizer: Any, stem: s
         writer.add_rope_freq_base(theta)
         writer.add_layer_norm_rms_eps(float(text.rms_norm_eps))
         writer.add_vocab_size(n_vocab)
-        writer.add_file_type(int(file_types[quantization]))
+        writer.add_file_type(int(getattr(gguf.LlamaFileType, _FILE_TYPES[quantization])))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _write_tokenizer(writer, gguf, tokenizer, n_vocab)
 
@@ -443,8 +439,14 @@ def save_vlm_gguf(model: torch.nn.Module, processor: Any, path: str | Path, quan
     """
     refuse_unexported_family(model)
     gguf = _import_gguf()
-    if not isinstance(quantization, str) or quantization.lower() not in QUANTIZATIONS:
-        raise _fail(f"quantization={quantization!r} is not one of {list(QUANTIZATIONS)}.")
+    # The language model's types this writer has file-type metadata for; a type the one-file writer gained later
+    # (its QUANTIZATIONS) is refused by name rather than written with the wrong general.file_type.
+    supported = [name for name in QUANTIZATIONS if name in _FILE_TYPES]
+    if not isinstance(quantization, str) or quantization.lower() not in supported:
+        raise _fail(
+            f"quantization={quantization!r} is not one of {supported} (the types a vision-language model's language "
+            "model is written in)."
+        )
     quantization = quantization.lower()
     base: PreTrainedModel = model.get_base_model() if isinstance(model, PeftModel) else model
     family = vision_family(base)
