@@ -4,6 +4,7 @@ export in :mod:`fastft.export`; each method here is theirs, so this file only sa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +22,9 @@ from fastft.loading.lora import (
     keep_trainable_fp32,
 )
 from fastft.loading.pretrained import TASKS
+
+if TYPE_CHECKING:
+    from fastft.export.gguf_vlm import VisionGGUF
 
 
 class FastModel:
@@ -100,7 +104,7 @@ class FastModel:
         tokenizer: PreTrainedTokenizerBase,
         path: str | Path,
         quantization: str = "f16",
-    ) -> Path:
+    ) -> Path | VisionGGUF:
         """Merge the LoRA adapters and write one GGUF file, the single-file format of llama.cpp and the tools on it.
 
         The merge is :meth:`save_merged`'s (float32, 4-bit bases dequantised), streamed one tensor at a time in
@@ -122,8 +126,13 @@ class FastModel:
             quantization: ``"f16"`` (default), ``"bf16"``, ``"f32"``, or ``"q8_0"`` (8-bit blocks, about half
                 the size of f16). Norm weights stay float32 in every case, as llama.cpp expects.
 
+            A vision-language model (Qwen2.5-VL) is written as llama.cpp runs it, in two files: the language model
+            (architecture ``qwen2vl``) and the vision tower with its merger as ``mmproj-<model>-f16.gguf`` (pass the
+            processor as ``tokenizer``: the mmproj holds its image mean and std). Other vision-language families are
+            refused with the reason (:mod:`fastft.export.gguf_vision`).
+
         Returns:
-            The path of the written file.
+            The path of the written file; for a vision-language model a ``VisionGGUF`` (``.model``, ``.mmproj``).
 
         Raises:
             ValueError: Another architecture, a config llama.cpp would compute differently (Qwen3-MoE's dense
@@ -134,7 +143,11 @@ class FastModel:
             ImportError: The ``gguf`` package is missing.
         """
         from fastft.export.gguf_export import save_gguf
+        from fastft.export.gguf_vision import vision_family
+        from fastft.export.gguf_vlm import save_vlm_gguf
 
+        if vision_family(model) is not None:
+            return save_vlm_gguf(model, tokenizer, path, quantization)
         return save_gguf(model, tokenizer, path, quantization)
 
 

@@ -249,13 +249,14 @@ def _dtype_kwarg() -> str:
     return _DTYPE_KWARG
 
 
-def test_gguf_export_refuses_a_vision_language_model_and_names_the_route(trained, tmp_path):
+def test_gguf_export_of_the_trained_vlm_writes_the_language_model_and_its_mmproj(trained, tmp_path):
+    import gguf
+
     model, tokenizer = trained["model"], trained["tokenizer"]
-    with pytest.raises(ValueError, match="vision-language model") as refused:
-        FastModel.save_gguf(model, tokenizer, tmp_path / "model.gguf")
-    message = str(refused.value)
-    assert "FastModel.save_merged" in message and "--mmproj" in message and "qwen2_5_vl" in message
-    assert not any(tmp_path.iterdir())  # refused before anything was merged or written
+    files = FastModel.save_gguf(model, tokenizer, tmp_path / "model.gguf")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mmproj-model-f16.gguf", "model.gguf"]
+    assert gguf.GGUFReader(files.model).fields["general.architecture"].contents() == "qwen2vl"
+    assert gguf.GGUFReader(files.mmproj).fields["clip.projector_type"].contents() == "qwen2.5vl_merger"
 
 
 def test_merged_save_of_a_4bit_qlora_vlm_reloads_in_stock_transformers(vlm_dir, tmp_path):
