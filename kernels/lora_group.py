@@ -18,7 +18,7 @@ dtype (autocast's, when on), and applies the group:
   in the group. A custom op's dispatch costs about three times an ``autograd.Function``'s, so eager never takes it.
 - ``torch.compile``: the custom op ``fastft::lora_group`` (fake implementation and autograd registered, backward op
   ``fastft::lora_group_backward``) over the same math, with every tensor an argument and each NF4 quant_state
-  flattened into tensors and ints (:func:`~fastft.kernels.lora_math.flatten_group`), so a compiled decoder layer
+  flattened into tensors and ints (:func:`~fastft.kernels.lora_op_args.flatten_group`), so a compiled decoder layer
   has no graph break.
 
 Schemas (``layout`` has :data:`~fastft.kernels.lora_math.LAYOUT_FIELDS` ints per segment: out, in, rank or -1,
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from fastft.kernels import lora_math
+from fastft.kernels import lora_math, lora_op_args
 from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
@@ -285,7 +285,7 @@ class LoRAGroup:
 
     def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
         """The group's tensors and layout as the custom op's keyword arguments (see the module docstring)."""
-        return lora_math.flatten_group(self.projections, dtype)
+        return lora_op_args.flatten_group(self.projections, dtype)
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -309,16 +309,16 @@ def _lora_group(
     scales: list[float],
     group: str,
 ) -> list[torch.Tensor]:
-    spec = lora_math.op_spec(group, layout, scales)
+    spec = lora_op_args.op_spec(group, layout, scales)
     x2d = x.reshape(-1, x.shape[-1])
     outputs, xa = lora_math.forward(
         spec,
         x2d,
         weights,
-        lora_math.quant_states_from(layout, nf4),
+        lora_op_args.quant_states_from(layout, nf4),
         lora_a,
         lora_b,
-        lora_math.biases_from(layout, biases),
+        lora_op_args.biases_from(layout, biases),
     )
     lead = x.shape[:-1]
     xa = x2d.new_empty((x2d.shape[0], 0)) if xa is None else xa
@@ -337,7 +337,7 @@ def _lora_group_fake(
     group: str,
 ) -> list[torch.Tensor]:
     lead = x.shape[:-1]
-    parts = lora_math.segments(layout)
+    parts = lora_op_args.segments(layout)
     rows = math.prod(lead)
     rank = sum(max(part[2], 0) for part in parts)
     return [x.new_empty((*lead, part[0])) for part in parts] + [x.new_empty((rows, rank))]
@@ -356,21 +356,21 @@ def _lora_group_backward(
     group: str,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    spec = lora_math.op_spec(group, layout, scales)
+    spec = lora_op_args.op_spec(group, layout, scales)
     x2d = x.reshape(-1, x.shape[-1])
     grad_x, grad_a, grad_b = lora_math.backward(
         spec,
         x2d,
         xa,
         weights,
-        lora_math.quant_states_from(layout, nf4),
+        lora_op_args.quant_states_from(layout, nf4),
         lora_a,
         lora_b,
         grads,
         needs[0],
         needs[1:],
     )
-    return lora_math.gradient_list(x, grad_x, grad_a, grad_b)
+    return lora_op_args.gradient_list(x, grad_x, grad_a, grad_b)
 
 
 def _lora_group_backward_fake(
@@ -386,7 +386,7 @@ def _lora_group_backward_fake(
     group: str,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    return lora_math.fake_gradient_list(x, lora_a, lora_b, needs)
+    return lora_op_args.fake_gradient_list(x, lora_a, lora_b, needs)
 
 
 _op = define("lora_group", _lora_group, fake=_lora_group_fake)
@@ -404,15 +404,15 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> Non
 def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     layout, scales, group = ctx.static
     x, xa, *rest = ctx.saved_tensors
-    weights, lora_a, lora_b, nf4 = lora_math.saved_lists(rest, ctx.counts)
-    needs = lora_math.needs_of(ctx)
+    weights, lora_a, lora_b, nf4 = lora_op_args.saved_lists(rest, ctx.counts)
+    needs = lora_op_args.needs_of(ctx)
     # Only a compiled graph (or a direct call of the op) reaches this backward: the eager path is the Function's.
     # So it always calls the backward op, never its implementation, which reads real tensors (the tuner, the
     # shared NF4 buffer) that a tracer's fake ones must not meet.
     result = _backward_op(
         list(grads[:-1]), x, xa, list(weights), list(lora_a), list(lora_b), list(nf4), layout, scales, group, needs
     )
-    return lora_math.input_gradients(result, needs, ctx.counts, trailing=3)
+    return lora_op_args.input_gradients(result, needs, ctx.counts, trailing=3)
 
 
 register_autograd(_op, _setup, _grad)

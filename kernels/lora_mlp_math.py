@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fastft.kernels import lora_math
+from fastft.kernels import lora_math, lora_op_args
 from fastft.kernels.custom_ops import define, register_autograd
 from fastft.kernels.geglu import geglu_backward_, geglu_backward_with_hidden, geglu_forward
 from fastft.kernels.lora_math import LAYOUT_FIELDS, Spec
@@ -156,7 +156,7 @@ def _split(
     """The op's flat arguments cut into the gate / up group and the down group (the last segment): ``(spec,
     tensors)`` each."""
     head, tail = layout[:-LAYOUT_FIELDS], layout[-LAYOUT_FIELDS:]
-    parts = lora_math.segments(head)
+    parts = lora_op_args.segments(head)
     n = len(parts)
     count = sum(part[2] >= 0 for part in parts)
     n_biases = sum(bool(part[3]) for part in parts)
@@ -164,9 +164,9 @@ def _split(
     n_nf4 = sum((4 if part[5] else 1) if part[4] else 0 for part in parts)
 
     def group_of(name, part_layout, part_scales, part_weights, a, b, part_biases, part_nf4):
-        spec = lora_math.op_spec(name, part_layout, part_scales)
-        states = lora_math.quant_states_from(part_layout, part_nf4)
-        return spec, (part_weights, states, a, b, lora_math.biases_from(part_layout, part_biases))
+        spec = lora_op_args.op_spec(name, part_layout, part_scales)
+        states = lora_op_args.quant_states_from(part_layout, part_nf4)
+        return spec, (part_weights, states, a, b, lora_op_args.biases_from(part_layout, part_biases))
 
     return (
         group_of(
@@ -217,7 +217,7 @@ def _lora_mlp_fake(
     gate_up_group: str,
     down_group: str,
 ) -> list[torch.Tensor]:
-    *gate_up, down = lora_math.segments(layout)
+    *gate_up, down = lora_op_args.segments(layout)
     intermediate = gate_up[0][0] if len(gate_up) == 2 else gate_up[0][0] // 2
     rows = math.prod(x.shape[:-1])
     rank = sum(max(part[2], 0) for part in gate_up)
@@ -267,7 +267,7 @@ def _lora_mlp_backward(
         needs[1:],
         in_place=False,
     )
-    return lora_math.gradient_list(x, grad_x, grad_a, grad_b)
+    return lora_op_args.gradient_list(x, grad_x, grad_a, grad_b)
 
 
 def _lora_mlp_backward_fake(
@@ -288,7 +288,7 @@ def _lora_mlp_backward_fake(
     down_group: str,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    return lora_math.fake_gradient_list(x, lora_a, lora_b, needs)
+    return lora_op_args.fake_gradient_list(x, lora_a, lora_b, needs)
 
 
 op = define("lora_mlp", _lora_mlp, fake=_lora_mlp_fake)
@@ -307,8 +307,8 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> Non
 def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     layout, scales, activation, gate_up_group, down_group = ctx.static
     x, xa_gate_up, gate, up, xa_down, *rest = ctx.saved_tensors
-    weights, lora_a, lora_b, nf4 = lora_math.saved_lists(rest, ctx.counts)
-    needs = lora_math.needs_of(ctx)
+    weights, lora_a, lora_b, nf4 = lora_op_args.saved_lists(rest, ctx.counts)
+    needs = lora_op_args.needs_of(ctx)
     # autograd materialises a missing output gradient as zeros, so grads[0] is a tensor. Only a compiled graph (or a
     # direct call of the op) reaches this backward, so it calls the backward op (see lora_group's _grad).
     result = backward_op(
@@ -329,7 +329,7 @@ def _grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
         down_group,
         needs,
     )
-    return lora_math.input_gradients(result, needs, ctx.counts, trailing=5)
+    return lora_op_args.input_gradients(result, needs, ctx.counts, trailing=5)
 
 
 register_autograd(op, _setup, _grad)
