@@ -56,11 +56,26 @@ FAMILIES = {
         ["<|start_header_id|>", "<|end_header_id|>"],
         True,
     ),
+    "llama-3.2": (
+        "llama-3.2.jinja",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|start_header_id|>", "<|end_header_id|>"],
+        True,
+    ),
+    "llama-3": ("llama-3.jinja", "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"], True),
     "qwen2.5": ("qwen2.5.jinja", None, "<|im_end|>", ["<|im_start|>", "<|endoftext|>"], False),
     "gemma-3": ("gemma-3.jinja", "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"], True),
     "mistral-v0.2": ("mistral-7b-instruct-v0.2.jinja", "<s>", "</s>", ["[INST]", "[/INST]"], True),
 }
-EXPECTED_FAMILY = {"llama-3.1": "llama3", "qwen2.5": "chatml", "gemma-3": "gemma", "mistral-v0.2": "mistral"}
+EXPECTED_FAMILY = {
+    "llama-3": "llama3",
+    "llama-3.2": "llama3",
+    "llama-3.1": "llama3",
+    "qwen2.5": "chatml",
+    "gemma-3": "gemma",
+    "mistral-v0.2": "mistral",
+}
 
 
 def family_tokenizer(name: str) -> PreTrainedTokenizerFast:

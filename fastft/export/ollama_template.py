@@ -250,6 +250,12 @@ def translate_chat_template(tokenizer: Any, adds_bos: bool) -> ChatFormat:
                 f"{_first_difference(probes[name], actual)}. The GGUF is written; write the Modelfile TEMPLATE by "
                 "hand, or pass template= (an Ollama Go template)."
             )
+    if "strftime_now" in template:
+        # Llama 3.2 dates its system turn with the day it renders; Ollama's currentDate has another format.
+        logger.warning(
+            "fastft.save_ollama: the chat template writes today's date into the prompt (strftime_now); the Modelfile "
+            "carries the date of this export instead."
+        )
     stops = list(_STOPS[family])
     eos = getattr(tokenizer, "eos_token", None)
     if eos and eos not in stops:
