@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+import stat
 from pathlib import Path
 
 import gguf
@@ -236,6 +237,8 @@ def test_save_ollama_writes_gguf_and_modelfile(tiny, tmp_path):
     assert _one(commands, "num_ctx") == str(min(model.config.max_position_embeddings, 4096))
     assert _one(commands, "temperature") == "0.7"
     assert_renders_like_the_chat_template(tokenizer, modelfile.read_text())
+    # Readable as the GGUF is (mkstemp's 0600 undone), and no temporary file left beside them.
+    assert stat.S_IMODE(modelfile.stat().st_mode) == stat.S_IMODE(gguf_path.stat().st_mode)
     reader = gguf.GGUFReader(gguf_path)
     assert reader.fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
     assert bool(reader.fields["tokenizer.ggml.add_bos_token"].contents()) is _adds(tokenizer, tokenizer.bos_token_id, 0)
@@ -250,6 +253,20 @@ def test_an_untranslatable_template_still_writes_the_gguf_and_no_modelfile(tiny,
     with pytest.raises(OllamaTemplateError, match="match none of the families.*The GGUF is at .*no Modelfile"):
         save_ollama(model, tokenizer, tmp_path, quantization="f16")
     assert [path.suffix for path in tmp_path.iterdir()] == [".gguf"]  # no Modelfile, no partial file
+
+
+def test_an_interrupted_modelfile_write_leaves_no_partial_file(tiny, tmp_path, monkeypatch):
+    import fastft.export.ollama as ollama_module
+
+    model, tokenizer = tiny
+
+    def interrupted(path, recursive=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ollama_module, "as_if_created", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_ollama(model, tokenizer, tmp_path, quantization="f16")
+    assert [path.suffix for path in tmp_path.iterdir()] == [".gguf"]
 
 
 def test_options_replace_the_translation_and_defaults(tiny, tmp_path):

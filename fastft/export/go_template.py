@@ -189,9 +189,8 @@ def parse(source: str) -> list[Any]:
                 raise GoTemplateError("go template: unexpected {{else}}.")
             if rest and rest[0] == ("word", "if"):
                 # {{else if x}} is {{else}}{{if x}} ... with one shared {{end}}.
-                nested = _Block("if", _parse_pipe(rest[1:]))
+                nested = _Block("elif", _parse_pipe(rest[1:]))
                 block.other.append(nested)
-                nested.kind = "elif"
                 stack[-1] = (block, block.other)
                 stack.append((nested, nested.body))
             else:
