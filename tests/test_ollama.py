@@ -144,6 +144,8 @@ def assert_renders_like_the_chat_template(tokenizer, modelfile: str) -> None:
         assert ollama_prompt(template, messages, system) == expected, name
 
 
+# transformers renders the chat templates: checked in every version lane.
+@pytest.mark.lane
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_templates_render_like_their_chat_template(name):
     tokenizer = family_tokenizer(name)
@@ -167,6 +169,7 @@ def test_family_templates_render_like_their_chat_template(name):
     assert (_one(commands, "system") is not None) == (name == "qwen2.5")  # Qwen2.5's default system prompt
 
 
+@pytest.mark.lane
 def test_bos_is_text_in_the_template_when_llama_cpp_would_not_add_it():
     tokenizer = family_tokenizer("llama-3.1")
     added = translate_chat_template(tokenizer, adds_bos=True)
@@ -178,6 +181,7 @@ def test_bos_is_text_in_the_template_when_llama_cpp_would_not_add_it():
         assert ollama_prompt(printed.template, messages) == expected
 
 
+@pytest.mark.lane
 def test_smollm2_default_system_prompt_goes_into_system(smol_tokenizer):
     chat = translate_chat_template(smol_tokenizer, adds_bos=_adds(smol_tokenizer, smol_tokenizer.bos_token_id, 0))
     assert chat.family == "chatml"
@@ -185,6 +189,7 @@ def test_smollm2_default_system_prompt_goes_into_system(smol_tokenizer):
     assert_renders_like_the_chat_template(smol_tokenizer, modelfile_text("m.gguf", chat, {}))
 
 
+@pytest.mark.lane
 @pytest.mark.parametrize(
     ("template", "message"),
     [
