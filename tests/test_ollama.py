@@ -212,8 +212,10 @@ def test_smollm2_default_system_prompt_goes_into_system(smol_tokenizer):
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
             "differs",
         ),
+        # A template that raises on a plain conversation (tool-use templates that iterate `tools` unconditionally).
+        ("{% for tool in tools %}{{ tool }}{% endfor %}<|im_start|>", "fails on a plain user / assistant"),
     ],
-    ids=["unknown-family", "chatml-variant", "conditional-system"],
+    ids=["unknown-family", "chatml-variant", "conditional-system", "fails-without-tools"],
 )
 def test_untranslatable_templates_are_refused_with_the_reason(smol_tokenizer, template, message):
     tokenizer = _copy(smol_tokenizer)  # the session fixture stays as it is

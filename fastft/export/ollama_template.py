@@ -211,7 +211,14 @@ def translate_chat_template(tokenizer: Any, adds_bos: bool) -> ChatFormat:
     def jinja(messages: list[dict[str, str]]) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    probes = {name: jinja(messages) for name, messages in _conversations(with_system=False).items()}
+    try:
+        probes = {name: jinja(messages) for name, messages in _conversations(with_system=False).items()}
+    except Exception as error:
+        raise OllamaTemplateError(
+            f"fastft.save_ollama: the chat template fails on a plain user / assistant conversation "
+            f"({type(error).__name__}: {error}), so there is nothing to translate. The GGUF is written; write the "
+            "Modelfile TEMPLATE by hand, or pass template= (an Ollama Go template)."
+        ) from error
     try:
         probes.update({name: jinja(messages) for name, messages in _conversations(with_system=True).items()})
     except TemplateError as error:
@@ -221,7 +228,11 @@ def translate_chat_template(tokenizer: Any, adds_bos: bool) -> ChatFormat:
         system_refused = True
     else:
         system_refused = False
-    first = probes["user"]
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    # Printed by the template itself, not a marker that happens to be the BOS token too (SmolLM2's <|im_start|>).
+    printed_bos = bool(bos) and "bos_token" in template and all(text.startswith(bos) for text in probes.values())
+    bare = {name: text[len(bos) :] for name, text in probes.items()} if printed_bos else probes
+    first = bare["user"]
     family = next((name for name, markers in _MARKERS.items() if markers[0] in first), None)
     if family is None:
         raise OllamaTemplateError(
@@ -229,10 +240,6 @@ def translate_chat_template(tokenizer: Any, adds_bos: bool) -> ChatFormat:
             f"({', '.join(FAMILIES)}); a user turn renders as {first[:160]!r}. The GGUF is written; write the "
             "Modelfile TEMPLATE by hand, or pass template= (an Ollama Go template)."
         )
-    bos = getattr(tokenizer, "bos_token", None) or ""
-    # Printed by the template itself, not a marker that happens to be the BOS token too (SmolLM2's <|im_start|>).
-    printed_bos = bool(bos) and "bos_token" in template and all(text.startswith(bos) for text in probes.values())
-    bare = {name: text[len(bos) :] for name, text in probes.items()} if printed_bos else probes
     go_template, system = _build(family, bare, bos if printed_bos and not adds_bos else "")
     if adds_bos:
         probes = bare
