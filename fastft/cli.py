@@ -150,7 +150,9 @@ def _export(args: argparse.Namespace) -> int:
     adapter = Path(args.adapter).expanduser()
     try:
         if args.merged is None and args.gguf is None and args.ollama is None:
-            raise ValueError("fastft export: nothing to write; pass --merged DIR, --gguf FILE and/or --ollama DIR.")
+            raise ValueError(
+                "fastft export: nothing to write; pass --merged DIR, --gguf FILE, or both (and/or --ollama DIR)."
+            )
         if not (adapter / "adapter_config.json").is_file():
             found = "does not exist" if not adapter.exists() else "has no adapter_config.json"
             raise FileNotFoundError(

@@ -125,6 +125,8 @@ def save_ollama(
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
+            out.flush()
+            os.fsync(out.fileno())  # on disk before the rename, as the GGUF is
         as_if_created(partial)
         os.replace(partial, target / "Modelfile")
     except BaseException:
