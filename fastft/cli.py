@@ -128,6 +128,7 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--adapter", required=True, help="the adapter folder `fastft train --output` wrote")
     parser.add_argument("--merged", type=Path, help="output folder for the merged transformers model")
     parser.add_argument("--gguf", type=Path, help="output .gguf file (or a folder: the name is derived)")
+    parser.add_argument("--ollama", type=Path, help="output folder for a GGUF plus an Ollama Modelfile (chat template)")
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16", help="--merged dtype")
     parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="f16", help="--gguf tensor type")
     parser.add_argument("--max-shard-size", default="5GB", help="--merged: largest shard, e.g. 5GB or 500MB")
@@ -148,8 +149,10 @@ def _export(args: argparse.Namespace) -> int:
 
     adapter = Path(args.adapter).expanduser()
     try:
-        if args.merged is None and args.gguf is None:
-            raise ValueError("fastft export: nothing to write; pass --merged DIR, --gguf FILE, or both.")
+        if args.merged is None and args.gguf is None and args.ollama is None:
+            raise ValueError(
+                "fastft export: nothing to write; pass --merged DIR, --gguf FILE, or both (and/or --ollama DIR)."
+            )
         if not (adapter / "adapter_config.json").is_file():
             found = "does not exist" if not adapter.exists() else "has no adapter_config.json"
             raise FileNotFoundError(
@@ -208,6 +211,9 @@ def _export(args: argparse.Namespace) -> int:
         if args.gguf is not None:
             file = FastModel.save_gguf(model, tokenizer, args.gguf, quantization=args.quantization)
             written.append(f"{file} (GGUF, {args.quantization})")
+        if args.ollama is not None:
+            file, modelfile = FastModel.save_ollama(model, tokenizer, args.ollama, quantization=args.quantization)
+            written.append(f"{file} (GGUF, {args.quantization}) with {modelfile} (ollama create NAME -f {modelfile})")
     except (FileNotFoundError, FileExistsError, NotImplementedError, ValueError, HubFetchError) as error:
         # A missing base, a model GGUF cannot hold, diverged weights: the message says what to do.
         print(f"error: {error}", file=sys.stderr)

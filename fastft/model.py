@@ -4,7 +4,7 @@ export in :mod:`fastft.export`; each method here is theirs, so this file only sa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -149,6 +149,50 @@ class FastModel:
         if vision_family(model) is not None:
             return save_vlm_gguf(model, tokenizer, path, quantization)
         return save_gguf(model, tokenizer, path, quantization)
+
+    @staticmethod
+    def save_ollama(
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        directory: str | Path,
+        quantization: str = "q8_0",
+        template: str | None = None,
+        system: str | None = None,
+        stop: list[str] | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> tuple[Path, Path]:
+        """Write the merged model as a GGUF plus an Ollama ``Modelfile`` in ``directory``.
+
+        Then ``ollama create NAME -f DIRECTORY/Modelfile``. The GGUF is :meth:`save_gguf`'s. The Modelfile's
+        ``TEMPLATE`` is the model's Jinja chat template translated into Ollama's Go template syntax for the
+        families recognised by the markers they emit (Llama 3.x headers, ChatML as in Qwen2 / 2.5 / 3 and SmolLM2,
+        Gemma turns, Mistral ``[INST]``) and checked, before anything is written, to render the same text as the
+        chat template on conversations with and without a system message; ``SYSTEM`` carries a default system
+        prompt the chat template has, ``PARAMETER stop`` the end-of-turn markers, and sampling defaults (see
+        :func:`fastft.export.ollama.default_parameters`). Both files are written under temporary names and renamed.
+
+        Args:
+            model: As for :meth:`save_gguf`.
+            tokenizer: Its tokenizer, with the chat template.
+            directory: Output folder (created if missing); the GGUF is named ``<model>-<QUANTIZATION>.gguf``.
+            quantization: Any of :meth:`save_gguf`'s (default ``"q8_0"``).
+            template: An Ollama Go template to write instead of the translation (it is parsed, not checked).
+            system: A default system prompt instead of the chat template's.
+            stop: Stop strings for ``template=`` (default: the EOS token).
+            parameters: ``PARAMETER`` values that replace or add to the defaults, e.g. ``{"temperature": 0.2}``.
+
+        Returns:
+            The GGUF path and the Modelfile path.
+
+        Raises:
+            OllamaTemplateError: (a ``ValueError``) The chat template cannot be translated (no template, markers of
+                no supported family, or a rendering that differs); the GGUF is written, the Modelfile is not, and
+                the message says where the renderings differ.
+            ValueError, NotImplementedError, ImportError: As for :meth:`save_gguf`.
+        """
+        from fastft.export.ollama import save_ollama
+
+        return save_ollama(model, tokenizer, directory, quantization, template, system, stop, parameters)
 
 
 __all__ = [
