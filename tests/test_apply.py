@@ -78,6 +78,28 @@ def test_apply_then_lora_matches_the_unapplied_model(tiny_llama_dir, kernel_path
     _assert_fused(model, fused_calls)
 
 
+def test_lora_on_a_4bit_model_loaded_by_transformers_matches_the_unapplied_model(tiny_llama_dir, kernel_path):
+    from fastft.loading.dtypes import quantization_config
+
+    def qlora():
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(tiny_llama_dir), quantization_config=quantization_config(torch.float32)
+        )
+        return _lora(quantized)
+
+    model = qlora()
+    randomize_lora_b(model)
+    stock = qlora()
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    fastft.apply(model)
+    assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    model.train()
+    stock.train()
+    assert_lora_step_matches(model, stock, "lora_A", **_inputs(model))
+    rows = {row["name"]: row for row in patch_report(model)}
+    assert rows["llama.mlp"]["status"] == "applied" and not rows["llama.mlp"]["fallbacks"], rows["llama.mlp"]
+
+
 def test_second_apply_is_a_no_op(tiny_llama_dir):
     model = _lora(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)))
     fastft.apply(model, use_gradient_checkpointing="offload")

@@ -20,6 +20,7 @@ from peft import PeftModel
 from fastft import patches  # noqa: F401  (registers the built-in patches)
 from fastft.checkpointing import modes
 from fastft.contracts import check_lora, guard_max_seq_length, guard_vision_inputs
+from fastft.loading.dtypes import guard_bnb_cpu_repack
 from fastft.loading.lora import base_model, check_base
 from fastft.patches.causal_lm import FusedLossState
 from fastft.registry import _REPORT_ATTR, APPLIED, DISABLED, apply_patches, patch_report
@@ -165,6 +166,8 @@ def apply(
     check_base(model)
     if isinstance(model, PeftModel) or any(hasattr(m, "lora_A") for m in base.modules()):
         check_lora(model)
+    # bitsandbytes' CPU repack of 4-bit weights computes in bf16 whatever the model's dtype (fastft.loading.dtypes).
+    guard_bnb_cpu_repack(base, getattr(base, "dtype", torch.float32))
     if max_seq_length is not None:
         guard_max_seq_length(model, max_seq_length)
         guard_vision_inputs(model, max_seq_length)
