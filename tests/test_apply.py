@@ -79,17 +79,21 @@ def test_apply_then_lora_matches_the_unapplied_model(tiny_llama_dir, kernel_path
 
 
 def test_lora_on_a_4bit_model_loaded_by_transformers_matches_the_unapplied_model(tiny_llama_dir, kernel_path):
-    from fastft.loading.dtypes import quantization_config
+    from fastft.loading.dtypes import _DTYPE_KWARG, guard_bnb_cpu_repack, quantization_config
 
     def qlora():
+        # transformers 4.x would load the unquantised parts in fp16 for bitsandbytes unless told otherwise.
         quantized = AutoModelForCausalLM.from_pretrained(
-            str(tiny_llama_dir), quantization_config=quantization_config(torch.float32)
+            str(tiny_llama_dir), quantization_config=quantization_config(torch.float32), **{_DTYPE_KWARG: torch.float32}
         )
         return _lora(quantized)
 
     model = qlora()
     randomize_lora_b(model)
     stock = qlora()
+    # Without this bitsandbytes computes in bf16 on an AVX-512 CPU whatever the model's dtype: the stock side
+    # would be the inexact one (fastft.loading.dtypes).
+    guard_bnb_cpu_repack(stock, torch.float32)
     stock.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
     fastft.apply(model)
     assert type(model.get_base_model().model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
@@ -115,7 +119,7 @@ def test_second_apply_is_a_no_op(tiny_llama_dir):
 
 
 def test_the_adapter_and_its_parameters_are_kept_exactly(tiny_llama_dir):
-    model = _lora(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32))
+    model = _lora(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)))
     randomize_lora_b(model)
     # A caller's choice of dtype for the adapters stays theirs (apply casts nothing).
     for name, parameter in model.named_parameters():

@@ -58,7 +58,8 @@ def _common(tmp_path, config_class: type) -> dict:
 
 
 def _token_rows(tokenizer) -> Dataset:
-    ids = [tokenizer(text, padding="max_length", max_length=16, truncation=True)["input_ids"] for text in SENTENCES]
+    # Padded by hand: SmolLM2's tokenizer has no pad token under transformers 4.x.
+    ids = [(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] * 16)[:16] for text in SENTENCES]
     rows = ids * 4
     return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * 16] * len(rows), "labels": rows})
 

@@ -137,7 +137,7 @@ def test_a_trainer_built_after_the_hooks_trains_fused(manager, tiny_llama_dir, s
     cfg = DictDefault(_config())
     model = _load(manager, cfg, tiny_llama_dir)
     text = "Fine-tuning with LoRA trains only the low-rank adapters."
-    ids = smol_tokenizer(text, padding="max_length", max_length=16, truncation=True)["input_ids"]
+    ids = (smol_tokenizer(text)["input_ids"] + [smol_tokenizer.eos_token_id] * 16)[:16]
     rows = Dataset.from_dict({"input_ids": [ids] * 8, "attention_mask": [[1] * 16] * 8, "labels": [ids] * 8})
     arguments = TrainingArguments(
         output_dir=str(tmp_path / "out"),
