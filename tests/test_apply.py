@@ -157,9 +157,15 @@ def test_a_non_lora_adapter_is_refused_and_the_model_left_alone(tiny_llama_dir):
         patch_report(model)
 
 
-def test_not_a_transformers_model_is_refused():
+def test_not_a_transformers_model_or_a_bad_argument_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"fastft.apply: expected a transformers PreTrainedModel.*Linear"):
         fastft.apply(torch.nn.Linear(4, 4))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match=r"fastft.apply: .*use_gradient_checkpointing='sometimes' is not a mode"):
+        fastft.apply(model, use_gradient_checkpointing="sometimes")
+    with pytest.raises(ValueError, match=r"fastft.apply: max_seq_length must be a positive int.*0"):
+        fastft.apply(model, max_seq_length=0)
+    assert not any(type(m).__module__.startswith("fastft.") for m in model.modules())
 
 
 def test_an_unsupported_family_runs_stock_and_the_report_says_so():

@@ -154,7 +154,10 @@ def apply(
             f"{type(model).__name__} (no .config). Pass the model itself (trainer.model), not a wrapper such as "
             "DistributedDataParallel's (apply before accelerate or the trainer wraps it)."
         )
-    mode = _FOLLOW if use_gradient_checkpointing is None else modes.resolve_mode(use_gradient_checkpointing)
+    try:
+        mode = _FOLLOW if use_gradient_checkpointing is None else modes.resolve_mode(use_gradient_checkpointing)
+    except ValueError as error:
+        raise ValueError(f"fastft.apply: {error} (or None: follow the model and its trainer)") from error
     if max_seq_length is not None and (
         not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1
     ):
