@@ -57,7 +57,7 @@ def test_lora_then_apply_matches_the_unapplied_model(tiny_llama_dir, kernel_path
     stock = _stock(tiny_llama_dir, model)
     if checkpointing:
         base = stock.get_base_model()
-        getattr(base, modes._enable_method_name(base))(gradient_checkpointing_kwargs={"use_reentrant": False})
+        getattr(base, modes._enable_method_name(base))({"use_reentrant": False})
     assert fastft.apply(model, use_gradient_checkpointing=checkpointing) is model
     model.train()
     assert modes.get_mode(model.get_base_model()) == modes.resolve_mode(checkpointing)
@@ -211,6 +211,6 @@ def test_a_trainer_request_for_checkpointing_runs_fastfts_checkpointer(tiny_llam
     assert not modes.is_enabled(base)
     # What transformers' Trainer does at train() when its arguments ask for checkpointing.
     enable = getattr(model, modes._enable_method_name(base))
-    enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable({"use_reentrant": True})
     assert modes.get_mode(base) == "recompute"
     assert all(isinstance(layer._gradient_checkpointing_func, LayerCheckpoint) for layer in base.model.layers)
