@@ -7,6 +7,7 @@ The public API::
 
     model, tokenizer = FastModel.from_pretrained("smollm2-135m")
     model = FastModel.get_peft_model(model, r=16)
+    fastft.apply(trainer.model)  # a model built elsewhere (a trainer's, with or without a peft LoRA adapter)
 
 ``FastModel``, ``HubFetchError``, ``patch_report``, ``train_on_responses_only`` and ``VisionDataCollator`` are
 imported on first use, so
@@ -21,6 +22,7 @@ from fastft._version import __version__
 from fastft.contracts import ShapeContractError
 
 if TYPE_CHECKING:
+    from fastft.integrations.apply_model import apply
     from fastft.loading.sources import HubFetchError
     from fastft.model import FastModel
     from fastft.registry import patch_report
@@ -33,6 +35,7 @@ _LAZY = {
     "patch_report": "fastft.registry",
     "train_on_responses_only": "fastft.training.responses",
     "VisionDataCollator": "fastft.training.vision_data",
+    "apply": "fastft.integrations.apply_model",
 }
 
 
@@ -56,6 +59,7 @@ __all__ = [
     "ShapeContractError",
     "VisionDataCollator",
     "__version__",
+    "apply",
     "patch_report",
     "train_on_responses_only",
 ]

@@ -408,7 +408,7 @@ def patch_report(model: torch.nn.Module) -> list[dict]:
     if report is None:
         raise ValueError(
             f"fastft.patch_report: {type(model).__name__} was not loaded with FastModel.from_pretrained, "
-            "so fastft has no patch record for it."
+            "so fastft has no patch record for it (a model built elsewhere gets one from fastft.apply(model))."
         )
     return _with_fallbacks(base, report)
 
