@@ -50,65 +50,59 @@ def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
 
     Mirrors llama.cpp's ``make_qkx2_quants`` (weights ``rms(x) + |x|``, squared error): start from the plain
     min / max grid, then for each trial inverse scale ``(nmax + rmin + rdelta * i) / (max - min)`` solve the
-    weighted least squares for scale and offset (offset clamped to <= 0) and keep the one of least error. The error
-    of a trial is computed from the sums the fit already has (``Σw(s·l + m - x)²`` expanded), not a further pass.
-    Sub-blocks run along the columns so that every sum is a sum of whole rows, which numpy does far faster than
-    many short sums.
+    weighted least squares for scale and offset (offset clamped to <= 0) and keep the one of least error. As there,
+    ``min`` is the best offset so far: each trial's grid starts from the offset the previous winner found.
+    Sub-blocks run along the columns: every sum is then a float32 sum of whole rows, accumulated in the order
+    llama.cpp's loops accumulate, so that the same candidates win (a float64 fit ranks them differently where a
+    large value makes the float32 sums cancel, and llama.cpp's choice is the one whose error it has measured).
 
     Returns:
         ``scale`` [S], ``min`` [S] (>= 0, subtracted on decode) and ``levels`` [32, S] (float32, integral).
     """
-    weights = np.sqrt((x * x).mean(axis=0)) + np.abs(x)
-    low = np.minimum(x.min(axis=0), 0)
-    spread = x.max(axis=0) - low
-    flat = spread == 0
-    spread = np.where(flat, _F32(1), spread)
-    shifted = x - low
-    # The per-sub-block sums are float32 sums of 32 terms; the closed-form error, a difference of large terms,
-    # is evaluated from them in float64.
-    sum_w = weights.sum(axis=0, dtype=np.float64)
-    weighted_x = weights * x
-    sum_x = weighted_x.sum(axis=0, dtype=np.float64)
-    sum_x2 = (weighted_x * x).sum(axis=0, dtype=np.float64)
+    weights = np.sqrt((x * x).sum(axis=0) / _F32(32)) + np.abs(x)
+    low = np.minimum(x.min(axis=0), _F32(0))
+    high = x.max(axis=0)
+    flat = high == low
+    high = np.where(flat, low + 1, high)
+    sum_w = weights.sum(axis=0)
+    sum_x = (weights * x).sum(axis=0)
     trial = np.empty_like(x)
     weighted = np.empty_like(x)
     product = np.empty_like(x)
 
-    def sums(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        np.multiply(weights, levels, out=weighted)
-        sum_l = weighted.sum(axis=0, dtype=np.float64)
-        sum_l2 = np.multiply(weighted, levels, out=product).sum(axis=0, dtype=np.float64)
-        sum_xl = np.multiply(weighted, x, out=product).sum(axis=0, dtype=np.float64)
-        return sum_l, sum_l2, sum_xl
-
-    def error(scale: np.ndarray, offset: np.ndarray, sum_l: np.ndarray, sum_l2: np.ndarray, sum_xl: np.ndarray):
-        return (
-            scale * (scale * sum_l2 + 2 * offset * sum_l - 2 * sum_xl) + offset * (offset * sum_w - 2 * sum_x) + sum_x2
-        )
-
-    def grid(inverse: np.ndarray, out: np.ndarray) -> np.ndarray:
-        # shifted >= 0 and inverse > 0, so only the top needs clamping.
-        np.multiply(shifted, inverse, out=out)
+    def grid(inverse: np.ndarray, offset: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.subtract(x, offset, out=out)
+        np.multiply(out, inverse, out=out)
         np.rint(out, out=out)  # ggml's nearest_int rounds half to even, as rint does
-        return np.minimum(out, _F32(nmax), out=out)
+        return np.clip(out, _F32(0), _F32(nmax), out=out)
 
-    inverse = _F32(nmax) / spread
-    levels = grid(inverse, np.empty_like(x))
-    scale = (_F32(1) / inverse).astype(np.float64)
-    offset = low.astype(np.float64)
-    best = error(scale, offset, *sums(levels))
+    def error(levels: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        np.multiply(levels, scale, out=product)
+        np.add(product, offset, out=product)
+        np.subtract(product, x, out=product)
+        np.multiply(product, product, out=product)
+        return np.multiply(product, weights, out=product).sum(axis=0)
+
+    inverse = _F32(nmax) / (high - low)
+    levels = grid(inverse, low, np.empty_like(x))
+    scale = _F32(1) / inverse
+    offset = low
+    best = error(levels, scale, offset)
     with np.errstate(divide="ignore", invalid="ignore"):
         for step in range(nstep + 1):
-            grid((_F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax)) / spread, trial)
-            sum_l, sum_l2, sum_xl = sums(trial)
+            grid((_F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax)) / (high - offset), offset, trial)
+            np.multiply(weights, trial, out=weighted)
+            sum_l = weighted.sum(axis=0)
+            sum_l2 = np.multiply(weighted, trial, out=product).sum(axis=0)
+            sum_xl = np.multiply(weighted, x, out=product).sum(axis=0)
             det = sum_w * sum_l2 - sum_l * sum_l
             trial_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             trial_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
             # An offset above zero would add to every value: llama.cpp pins it at zero and refits the scale alone.
             positive = trial_offset > 0
-            trial_offset = np.where(positive, 0.0, trial_offset)
+            trial_offset = np.where(positive, _F32(0), trial_offset)
             trial_scale = np.where(positive, sum_xl / sum_l2, trial_scale)
-            trial_error = error(trial_scale, trial_offset, sum_l, sum_l2, sum_xl)
+            trial_error = error(trial, trial_scale, trial_offset)
             better = (det > 0) & (trial_error < best)
             if better.any():
                 np.copyto(levels, trial, where=better)
@@ -116,10 +110,10 @@ def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
                 offset = np.where(better, trial_offset, offset)
                 best = np.where(better, trial_error, best)
     # A constant sub-block (or an all-zero one) is its min alone: scale and levels zero, as llama.cpp writes it.
-    scale = np.where(flat, 0.0, scale).astype(np.float32)
+    scale = np.where(flat, _F32(0), scale)
     offset = np.where(flat, low, offset)
     levels[:, flat] = 0
-    return scale, (-offset).astype(np.float32), levels
+    return scale, -offset, levels
 
 
 def _fit_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,15 +138,15 @@ def _fit_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         np.multiply(x, inverse, out=out)
         np.rint(out, out=out)
         np.clip(out, -nmax, nmax - 1, out=out)
-        sum_lx = np.multiply(weighted_x, out, out=product).sum(axis=0, dtype=np.float64)
+        sum_lx = np.multiply(weighted_x, out, out=product).sum(axis=0)
         np.multiply(weights, out, out=product)
-        sum_l2 = np.multiply(product, out, out=product).sum(axis=0, dtype=np.float64)
+        sum_l2 = np.multiply(product, out, out=product).sum(axis=0)
         return sum_lx, sum_l2
 
     levels = np.empty_like(x)
     sum_lx, sum_l2 = fit(_F32(-nmax) / peak, levels)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(sum_l2 > 0, sum_lx / sum_l2, 0.0)
+        scale = np.where(sum_l2 > 0, sum_lx / sum_l2, _F32(0))
         best = scale * sum_lx
         for step in (*range(-9, 0), *range(1, 10)):
             trial_lx, trial_l2 = fit(-(_F32(nmax) + _F32(0.1) * _F32(step)) / peak, trial)
@@ -161,7 +155,7 @@ def _fit_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
                 np.copyto(levels, trial, where=better)
                 scale = np.where(better, trial_lx / trial_l2, scale)
                 best = np.where(better, scale * trial_lx, best)
-    scale = np.where(zero, 0.0, scale).astype(np.float32)
+    scale = np.where(zero, _F32(0), scale)
     levels[:, zero] = 0
     return scale, levels
 
