@@ -79,7 +79,15 @@ BOUNDS = {
     "q4_k_m": Bound(max_abs=12.0, mean_abs=1.6, top1=0.78, top5=0.78),  # 8.61, 1.043, 0.849, 0.844
 }
 # llama.cpp's file type (enum llama_ftype) for each name fastft writes.
-FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "bf16": 32}
+FTYPES = {
+    "f32": llama_cpp.LLAMA_FTYPE_ALL_F32,
+    "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+    "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+    "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "q5_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+}
 QUANTISED = [name for name in QUANTIZATIONS if name not in ("f32", "f16", "bf16")]
 
 
