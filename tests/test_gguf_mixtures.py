@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, TypeChoice, tensor_type, use_more_bits
+from fastft.export.gguf_mixtures import (
+    FILE_TYPES,
+    MixtureModel,
+    TypeChoice,
+    fallback_warning,
+    tensor_type,
+    use_more_bits,
+)
 
 pytestmark = pytest.mark.lane
 
@@ -46,27 +53,35 @@ def test_more_bits_layers():
 def test_smollm2_types_and_fallbacks(quantization, caplog):
     model = MixtureModel(n_layers=30, tied=True)
     plain, v_plain, v_more, down_plain, down_more = SMOL_EXPECTED[quantization]
-    with caplog.at_level("WARNING", logger="fastft.gguf_export"):
-        for layer in range(30):
-            more = layer in SMOL_MORE_BITS
-            for kind, shape in SMOL_SHAPES.items():
-                name = f"blk.{layer}.{kind}.weight"
-                expected = {"attn_v": v_more if more else v_plain, "ffn_down": down_more if more else down_plain}
-                assert tensor_type(name, shape, quantization, model).type_name == expected.get(kind, plain), name
-            for norm in ("attn_norm", "ffn_norm"):
-                assert tensor_type(f"blk.{layer}.{norm}.weight", (576,), quantization, model).type_name == "F32"
-        # Tied: the embedding is the head, Q8_0 as its rows (576) do not fit Q6_K's blocks.
-        assert tensor_type("token_embd.weight", (49152, 576), quantization, model) == TypeChoice("Q8_0")
-        assert tensor_type("output_norm.weight", (576,), quantization, model).type_name == "F32"
-    # Each fallback is logged with the tensor's name (llama.cpp's quantiser warns for 180 of the 272 tensors).
-    fallbacks = [record for record in caplog.records if "as llama.cpp's quantiser does" in record.getMessage()]
-    if quantization == "q8_0":
-        assert fallbacks == []
-    else:
-        assert len(fallbacks) == 30 * 6
-        assert "blk.0.attn_q.weight has rows of 576 values, not a multiple of" in fallbacks[0].getMessage()
+    fallbacks = []
+    for layer in range(30):
+        more = layer in SMOL_MORE_BITS
+        for kind, shape in SMOL_SHAPES.items():
+            name = f"blk.{layer}.{kind}.weight"
+            expected = {"attn_v": v_more if more else v_plain, "ffn_down": down_more if more else down_plain}
+            choice = tensor_type(name, shape, quantization, model)
+            assert choice.type_name == expected.get(kind, plain), name
+            if choice.replaced is not None:
+                fallbacks.append((name, shape, choice))
+        for norm in ("attn_norm", "ffn_norm"):
+            assert tensor_type(f"blk.{layer}.{norm}.weight", (576,), quantization, model).type_name == "F32"
+    # Tied: the embedding is the head, Q8_0 as its rows (576) do not fit Q6_K's blocks.
+    assert tensor_type("token_embd.weight", (49152, 576), quantization, model) == TypeChoice("Q8_0")
+    assert tensor_type("output_norm.weight", (576,), quantization, model).type_name == "F32"
     choice = tensor_type("blk.3.attn_q.weight", (576, 576), quantization, model)
     assert choice.replaced == {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K", "q8_0": None}[quantization]
+    # llama.cpp's quantiser warns for 180 of SmolLM2's 272 tensors; here one warning names them all, by group.
+    with caplog.at_level("WARNING", logger="fastft.gguf_export"):
+        fallback_warning(fallbacks)
+    if quantization == "q8_0":
+        assert fallbacks == [] and caplog.records == []
+        return
+    assert len(fallbacks) == 30 * 6 and len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert message.startswith("fastft.save_gguf: 180 tensors take llama.cpp's fallback type")
+    assert all(name in message for name, _, _ in fallbacks)
+    stored = plain if quantization != "q6_k" else "Q8_0"
+    assert f"rows of 576 (not a multiple of {choice.replaced}'s block of 256): stored as {stored}" in message
 
 
 def _types(model: MixtureModel, quantization: str, names: dict[str, tuple[int, ...]]) -> dict[str, set[str]]:
@@ -140,12 +155,10 @@ def test_70b_attn_v_and_float_types():
         assert tensor_type("blk.0.attn_norm.weight", (40,), quantization, model).type_name == "F32"
 
 
-def test_rows_fitting_no_block_are_f16(caplog):
+def test_rows_fitting_no_block_are_f16():
     # Rows of 80 fit neither Q4_K's 256 nor Q5_0's 32: llama.cpp stores them as F16, as does q8_0 here.
     model = MixtureModel(n_layers=2)
-    with caplog.at_level("WARNING", logger="fastft.gguf_export"):
-        for quantization in ("q4_k_m", "q5_k_m", "q6_k", "q8_0"):
-            assert tensor_type("blk.1.ffn_down.weight", (64, 80), quantization, model).type_name == "F16"
-    assert "blk.1.ffn_down.weight has rows of 80 values" in caplog.text
+    for quantization, replaced in (("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K"), ("q6_k", "Q6_K"), ("q8_0", "Q8_0")):
+        assert tensor_type("blk.1.attn_q.weight", (64, 80), quantization, model) == TypeChoice("F16", replaced)
     with pytest.raises(ValueError, match=r"cannot read a layer index below 2 from the tensor name 'blk.7.attn_v"):
         tensor_type("blk.7.attn_v.weight", (64, 256), "q4_k_m", model)
