@@ -2,7 +2,9 @@
 
 Merging LoRA into the base weights one tensor at a time (:mod:`~fastft.export.merge`), safetensors shards
 (:mod:`~fastft.export.shards`), the merged transformers folder (:mod:`~fastft.export.merged_save`), GGUF for llama.cpp
-(:mod:`~fastft.export.gguf_export`) and the permissions of written files (:mod:`~fastft.export.file_modes`).
+(:mod:`~fastft.export.gguf_export`; K-quants in :mod:`~fastft.export.kquants`, llama.cpp's per-tensor type
+mixtures in :mod:`~fastft.export.gguf_mixtures`) and the permissions of written files
+(:mod:`~fastft.export.file_modes`).
 ``FastModel.save_merged`` / ``save_gguf`` and ``fastft export`` call into it.
 
 May import: ``fastft.kernels``, ``fastft.contracts``, ``fastft.patches`` and ``fastft.loading``; never

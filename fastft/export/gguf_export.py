@@ -17,6 +17,9 @@ What a loader needs, and where it comes from:
   pairs, so the rows of each head are interleaved here and transformers' GGUF loader undoes exactly that on load
   (``qwen3moe`` rotates halves, as transformers does: its rows are kept);
 - tied embeddings: no ``output.weight`` tensor, which both llama.cpp and transformers read as "tied";
+- tensor types: the one llama.cpp's quantiser would pick for each tensor of the named file type
+  (:mod:`fastft.export.gguf_mixtures`), K-quants encoded by :mod:`fastft.export.kquants`, the legacy 32-value blocks
+  by the ``gguf`` package;
 - the tokenizer: byte-level BPE (``tokenizer.ggml.model = "gpt2"``): tokens, token types, merges, the special ids,
   whether BOS / EOS are added, the pre-tokenizer name and the chat template.
 """
@@ -43,7 +46,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastft.export import kquants
 from fastft.export.file_modes import as_if_created
 from fastft.export.gguf_arch import ARCHES, Arch, PlannedTensor, expert_tensors, write_expert_metadata
-from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, tensor_type
+from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, fallback_warning, tensor_type
 from fastft.export.gguf_vision import refuse_vision_language
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
@@ -234,6 +237,14 @@ def _blocks(tensor: MergedTensor, gguf_name: str, config: Any, arch: Arch) -> It
 def _tensor_type(gguf: Any, shape: tuple[int, ...], quantization: str, name: str, model: MixtureModel) -> Any:
     # The per-tensor choice llama.cpp's quantiser makes for this file type (gguf_mixtures), as a gguf type member.
     return getattr(gguf.GGMLQuantizationType, tensor_type(name, shape, quantization, model).type_name)
+
+
+def _fallbacks(tensors: list[PlannedTensor], quantization: str, model: MixtureModel) -> None:
+    # Before any tensor is merged: one warning naming each tensor whose rows do not fit its mixture type.
+    choices = [
+        (tensor.name, tensor.shape, tensor_type(tensor.name, tensor.shape, quantization, model)) for tensor in tensors
+    ]
+    fallback_warning([entry for entry in choices if entry[2].replaced is not None])
 
 
 def _mixture_model(base: PreTrainedModel, arch: Arch, names: set[str]) -> MixtureModel:
@@ -477,6 +488,7 @@ def save_gguf(
     if missing:
         raise ValueError(f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)}).")
     mixture = _mixture_model(base, arch, names)
+    _fallbacks(tensors, quantization, mixture)
 
     scratch_fd, scratch_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".scratch")
     partial_fd, partial_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")

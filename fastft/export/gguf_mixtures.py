@@ -21,7 +21,7 @@ The rules, each as llama.cpp applies it (``default`` is the file type's base: Q4
 7. **attn_output**: Q5_K with exactly 8 experts for Q4_K_M.
 8. **Fallback**: a tensor whose rows are not a multiple of its type's block (256 for K-quants) takes llama.cpp's
    32-block stand-in, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (``tensor_type_fallback``), and F16 when the rows
-   are not a multiple of 32 either; a warning names the tensor.
+   are not a multiple of 32 either; one warning (:func:`fallback_warning`) names every such tensor.
 
 "More bits" layers (``use_more_bits``): the first and last eighth of the layers, and every third layer between.
 llama.cpp counts attn_v and ffn_down tensors in file order, or reads the layer from the name in a model with
@@ -154,8 +154,8 @@ def tensor_type(name: str, shape: tuple[int, ...], quantization: str, model: Mix
         model: The model facts llama.cpp's choice reads.
 
     Returns:
-        The type, and the mixture's type it replaced when the rows did not fit that type's blocks (logged as a
-        warning naming the tensor).
+        The type, and the mixture's type it replaced when the rows did not fit that type's blocks (for
+        :func:`fallback_warning`).
     """
     default = FILE_TYPES[quantization][0]
     if not quantizable(name, shape):
@@ -169,16 +169,38 @@ def tensor_type(name: str, shape: tuple[int, ...], quantization: str, model: Mix
     fallback = FALLBACK.get(chosen, chosen)
     if row % BLOCK_SIZES[fallback]:
         fallback = "F16"
-    logger.warning(
-        "fastft.save_gguf: %s has rows of %d values, not a multiple of %s's block of %d; stored as %s instead, as "
-        "llama.cpp's quantiser does.",
-        name,
-        row,
-        chosen,
-        BLOCK_SIZES[chosen],
-        fallback,
-    )
     return TypeChoice(fallback, replaced=chosen)
 
 
-__all__ = ["FILE_TYPES", "MixtureModel", "TypeChoice", "quantizable", "tensor_type", "use_more_bits"]
+def fallback_warning(fallbacks: list[tuple[str, tuple[int, ...], TypeChoice]]) -> None:
+    """Log one warning naming every tensor that took a fallback type: ``(name, shape, choice)`` each.
+
+    llama.cpp prints a line per tensor; a model whose hidden size is not a multiple of 256 (SmolLM2's 576) has one
+    for most of its matrices, so they are grouped by what replaced what, each group listing its tensors.
+    """
+    if not fallbacks:
+        return
+    groups: dict[tuple[int, str, str], list[str]] = {}
+    for name, shape, choice in fallbacks:
+        groups.setdefault((shape[-1], str(choice.replaced), choice.type_name), []).append(name)
+    lines = [
+        f"rows of {row} (not a multiple of {replaced}'s block of {BLOCK_SIZES[replaced]}): stored as {stored} instead "
+        f"of {replaced}: {', '.join(names)}"
+        for (row, replaced, stored), names in groups.items()
+    ]
+    logger.warning(
+        "fastft.save_gguf: %d tensors take llama.cpp's fallback type, as its quantiser does for them; %s.",
+        len(fallbacks),
+        "; ".join(lines),
+    )
+
+
+__all__ = [
+    "FILE_TYPES",
+    "MixtureModel",
+    "TypeChoice",
+    "fallback_warning",
+    "quantizable",
+    "tensor_type",
+    "use_more_bits",
+]

@@ -17,11 +17,14 @@ sub-block scales are then quantised to 6 (8) bits against the super-block's larg
 once more against the scale it will actually be decoded with.
 
 Everything is vectorised over super-blocks: the trial scales are a loop of about twenty numpy passes over a chunk of
-super-blocks, never a Python loop over blocks. Chunks of :data:`_CHUNK_BLOCKS` super-blocks keep the temporaries in
-cache and bound the memory to a few MB whatever the tensor's size.
+super-blocks, never a Python loop over blocks, and chunks run in parallel threads. Chunks of :data:`_CHUNK_BLOCKS`
+super-blocks keep the temporaries in cache and bound the memory to a few MB per thread whatever the tensor's size.
 """
 
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -34,6 +37,9 @@ K_TYPES = tuple(BLOCK_BYTES)
 # 1024 super-blocks (256K values, 1 MB of float32) per pass: large enough that numpy's per-call cost vanishes, small
 # enough that the few temporaries of a pass stay in cache.
 _CHUNK_BLOCKS = 1024
+# numpy releases the GIL inside its array operations, so chunks encode in parallel threads (as llama-quantize uses
+# every core); at most 8, beyond which the Python between operations dominates.
+_THREADS = max(1, min(8, os.cpu_count() or 1))
 # ggml's GROUP_MAX_EPS: below this the Q6_K sub-block (and super-block) counts as all zero.
 _GROUP_MAX_EPS = np.float32(1e-15)
 _F32 = np.float32
@@ -296,8 +302,18 @@ def quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
     count, length = values.shape
     blocks = np.ascontiguousarray(values).reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], BLOCK_BYTES[type_name]), dtype=np.uint8)
-    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+
+    def encode(start: int) -> None:
         out[start : start + _CHUNK_BLOCKS] = encoder(blocks[start : start + _CHUNK_BLOCKS])
+
+    if len(starts) > 1 and _THREADS > 1:
+        with ThreadPoolExecutor(max_workers=min(_THREADS, len(starts))) as pool:
+            # list() re-raises the first exception a chunk raised.
+            list(pool.map(encode, starts))
+    else:
+        for start in starts:
+            encode(start)
     return out.reshape(count, row_bytes(type_name, length))
 
 
