@@ -125,6 +125,8 @@ def _ggml_library() -> Path | None:
     return library if library.exists() else None
 
 
+# Marked so that the llamacpp lane, which runs only `-m llamacpp`, runs it; elsewhere it skips.
+@pytest.mark.llamacpp
 @pytest.mark.skipif(_ggml_library() is None, reason="needs llama-cpp-python (llama.cpp's libggml-base) installed")
 @pytest.mark.parametrize("type_name", kquants.K_TYPES)
 def test_bytes_equal_llama_cpp_reference_quantiser(type_name):
