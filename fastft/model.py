@@ -123,8 +123,11 @@ class FastModel:
                 tokens and chat template go into the file.
             path: A ``.gguf`` file path, or a folder (created if missing) in which the file is named
                 ``<model>-<QUANTIZATION>.gguf``.
-            quantization: ``"f16"`` (default), ``"bf16"``, ``"f32"``, or ``"q8_0"`` (8-bit blocks, about half
-                the size of f16). Norm weights stay float32 in every case, as llama.cpp expects.
+            quantization: ``"f16"`` (default), ``"bf16"``, ``"f32"``, or one of llama.cpp's mixtures:
+                ``"q8_0"`` (8-bit blocks, about half the size of f16), ``"q6_k"``, ``"q5_k_m"`` or ``"q4_k_m"``
+                (K-quants written by fastft, with the per-tensor types llama.cpp's quantiser picks: more bits for
+                the head and some attn_v / ffn_down layers, its 32-block fallback for rows that are not a multiple
+                of 256). Norm weights stay float32 in every case, as llama.cpp expects.
 
             A vision-language model (Qwen2.5-VL) is written as llama.cpp runs it, in two files: the language model
             (architecture ``qwen2vl``) and the vision tower with its merger as ``mmproj-<model>-f16.gguf`` (pass the

@@ -37,7 +37,7 @@ def lanes():
 
 
 def test_lane_files_pin_exactly_the_supported_sets(lanes):
-    found = {lane.name: lane for lane in lanes.all_lanes()}
+    found = {lane.name: lane for lane in lanes.all_lanes() if lane.is_version_lane}
     assert list(found) == list(SUPPORTED), "lanes, oldest transformers first"
     for name, versions in SUPPORTED.items():
         assert found[name].pins == dict(zip(PINNED, versions, strict=True)), name
@@ -118,7 +118,7 @@ def test_list_shows_every_lane_oldest_first():
         [sys.executable, str(ROOT / ".ci" / "lanes.py"), "--list"], capture_output=True, text=True, check=True
     )
     names = [line.split()[0] for line in result.stdout.splitlines() if not line.startswith("warning:")]
-    assert names == list(SUPPORTED)
+    assert names == [*SUPPORTED, "llamacpp"], "the version lanes oldest first, then the feature lanes"
     assert "transformers 4.53.3 peft 0.16.0 trl 0.19.1" in result.stdout
 
 
@@ -187,5 +187,57 @@ def test_the_table_reader_takes_only_the_lane_table_of_its_section():
 
 def test_readme_supported_versions_table_lists_exactly_the_lanes(lanes):
     rows = _supported_versions_table((ROOT / "README.md").read_text())
-    expected = [[lane.name, *(lane.pins[name] for name in PINNED)] for lane in lanes.all_lanes()]
+    expected = [
+        [lane.name, *(lane.pins[name] for name in PINNED)] for lane in lanes.all_lanes() if lane.is_version_lane
+    ]
     assert rows == expected
+
+
+def test_the_llamacpp_lane_is_the_newest_set_plus_a_portable_llama_cpp_build(lanes):
+    found = {lane.name: lane for lane in lanes.all_lanes()}
+    lane = found["llamacpp"]
+    assert not lane.is_version_lane and lane.marker == "llamacpp"
+    assert lane.pins == {**found["newest"].pins, "llama-cpp-python": "0.3.36"}
+    # Not -march=native: a wheel built on one CI machine must run on the next.
+    assert "-DGGML_NATIVE=OFF" in lane.env["CMAKE_ARGS"].split()
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(marker.startswith("llamacpp:") for marker in markers)
+    assert lanes.same_as_main(lane) is False, "the main run has no llama.cpp, so it never covers this lane"
+
+
+def test_a_feature_lane_runs_its_marker_and_builds_with_its_settings(lanes, tmp_path, monkeypatch):
+    pins = ["transformers==5.24.0", "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2", "accelerate==1.15.0"]
+    path = tmp_path / "feat.txt"
+    path.write_text("\n".join(["# lane: feat - a feature", "# marker: feat", "# env: CMAKE_ARGS=-DA=1 -DB=2", *pins]))
+    path.write_text(path.read_text() + "\ndatasets==5.2.0\nextra-lib==1.0\n")
+    lane = lanes.read_lane(path)
+    assert (lane.marker, lane.env, lane.pins["extra-lib"]) == ("feat", {"CMAKE_ARGS": "-DA=1 -DB=2"}, "1.0")
+    path.write_text("\n".join(["# lane: feat", "# env: cmake args", *pins, "datasets==5.2.0"]))
+    with pytest.raises(lanes.LaneError, match=r"feat.txt:2: '# env:' takes NAME=value, found 'cmake args'"):
+        lanes.read_lane(path)
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append((command, kwargs.get("env", {})))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_run)
+    monkeypatch.setattr(lanes, "VENVS", tmp_path / "venvs")
+    feature = lanes.Lane("feat", path, {}, "feat", {"CMAKE_ARGS": "-DA=1"})
+    lanes.run_tests(feature, ["-x"])
+    command, env = calls[-1]
+    assert command[command.index("-m", 2) + 1] == "feat" and command[-1] == "-x"
+    assert "CMAKE_ARGS" not in env, "build settings are for the install only"
+
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
+    wheel.touch()
+    monkeypatch.setenv("FASTFT_TORCH_WHEEL", str(wheel))
+    monkeypatch.setattr(lanes, "check_versions", lambda lane: None)
+    monkeypatch.setattr(lanes, "_create_venv", lambda installer, lane: lane.venv.mkdir(parents=True))
+    calls.clear()
+    assert lanes.build(feature, "pip", rebuild=True) == "built"
+    (install, install_env), *_ = [call for call in calls if "-r" in call[0]]
+    # Installers cache built wheels by source archive, blind to CMAKE_ARGS: the build must not come from a cache.
+    assert install_env["CMAKE_ARGS"] == "-DA=1" and "--no-cache-dir" in install

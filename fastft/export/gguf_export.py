@@ -17,6 +17,9 @@ What a loader needs, and where it comes from:
   pairs, so the rows of each head are interleaved here and transformers' GGUF loader undoes exactly that on load
   (``qwen3moe`` rotates halves, as transformers does: its rows are kept);
 - tied embeddings: no ``output.weight`` tensor, which both llama.cpp and transformers read as "tied";
+- tensor types: the one llama.cpp's quantiser would pick for each tensor of the named file type
+  (:mod:`fastft.export.gguf_mixtures`), K-quants encoded by :mod:`fastft.export.kquants`, the legacy 32-value blocks
+  by the ``gguf`` package;
 - the tokenizer: byte-level BPE (``tokenizer.ggml.model = "gpt2"``): tokens, token types, merges, the special ids,
   whether BOS / EOS are added, the pre-tokenizer name and the chat template.
 """
@@ -40,8 +43,10 @@ from peft import PeftModel
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastft.export import kquants
 from fastft.export.file_modes import as_if_created
 from fastft.export.gguf_arch import ARCHES, Arch, PlannedTensor, expert_tensors, write_expert_metadata
+from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, fallback_warning, tensor_type
 from fastft.export.gguf_vision import refuse_vision_language
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
@@ -52,7 +57,8 @@ if TYPE_CHECKING:
 # The name it had as fastft/gguf_export.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.gguf_export")
 
-QUANTIZATIONS = ("f16", "bf16", "f32", "q8_0")
+# The float types, and llama.cpp's mixtures by the names its users know them by (gguf_mixtures).
+QUANTIZATIONS = tuple(FILE_TYPES)
 # Converting a few million values at a time bounds the temporaries of the q8_0 quantiser (several copies of its input)
 # on a large embedding matrix.
 _CHUNK_ELEMENTS = 1 << 24
@@ -228,24 +234,27 @@ def _blocks(tensor: MergedTensor, gguf_name: str, config: Any, arch: Arch) -> It
     yield from tensor.chunks(BLOCK_ELEMENTS)
 
 
-def _tensor_type(gguf: Any, shape: tuple[int, ...], quantization: str, name: str) -> Any:
-    types = gguf.GGMLQuantizationType
-    if len(shape) == 1 or ".ffn_gate_inp." in name:
-        # Norm weights and biases stay float32 in every llama.cpp file type, and so does the MoE router, as
-        # llama.cpp's converter and quantiser keep it: rounding it would change which experts a token picks.
-        return types.F32
-    if quantization == "q8_0":
-        block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
-        if shape[-1] % block:
-            logger.warning(
-                "fastft.save_gguf: %s has rows of %d values, not a multiple of %d; stored as f16 instead of q8_0.",
-                name,
-                shape[-1],
-                block,
-            )
-            return types.F16
-        return types.Q8_0
-    return {"f16": types.F16, "bf16": types.BF16, "f32": types.F32}[quantization]
+def _tensor_type(gguf: Any, shape: tuple[int, ...], quantization: str, name: str, model: MixtureModel) -> Any:
+    # The per-tensor choice llama.cpp's quantiser makes for this file type (gguf_mixtures), as a gguf type member.
+    return getattr(gguf.GGMLQuantizationType, tensor_type(name, shape, quantization, model).type_name)
+
+
+def _fallbacks(tensors: list[PlannedTensor], quantization: str, model: MixtureModel) -> None:
+    # Before any tensor is merged: one warning naming each tensor whose rows do not fit its mixture type.
+    choices = [
+        (tensor.name, tensor.shape, tensor_type(tensor.name, tensor.shape, quantization, model)) for tensor in tensors
+    ]
+    fallback_warning([entry for entry in choices if entry[2].replaced is not None])
+
+
+def _mixture_model(base: PreTrainedModel, arch: Arch, names: set[str]) -> MixtureModel:
+    config = base.config
+    n_layers = int(config.num_hidden_layers)
+    n_experts = arch.expert_count(config) if arch.experts else 0
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    is_70b = arch.gguf_arch == "LLAMA" and n_experts != 8 and n_layers == 80 and kv_heads != heads
+    return MixtureModel(n_layers, n_experts, tied="output.weight" not in names, is_70b=is_70b)
 
 
 def _encode(gguf: Any, rows: torch.Tensor, ggml_type: Any) -> np.ndarray:
@@ -258,6 +267,9 @@ def _encode(gguf: Any, rows: torch.Tensor, ggml_type: Any) -> np.ndarray:
     if ggml_type == types.BF16:
         # torch rounds to nearest even, as ggml's own float32 -> bf16 conversion does.
         return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+    if ggml_type.name in kquants.K_TYPES:
+        # The gguf package decodes K-quants but cannot write them.
+        return kquants.quantize(rows.contiguous().numpy(), ggml_type.name)
     return gguf.quants.quantize(rows.contiguous().numpy(), ggml_type)
 
 
@@ -410,12 +422,6 @@ def _write_model_metadata(
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = _head_dim(config)
     theta, rope_type, params = _rope(base)
-    file_types = {
-        "f32": gguf.LlamaFileType.ALL_F32,
-        "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    }
     writer.add_type("model")
     writer.add_name(stem)
     writer.add_context_length(int(config.max_position_embeddings))
@@ -444,7 +450,7 @@ def _write_model_metadata(
             "a model reloaded with from_pretrained(..., gguf_file=...) computes plain RoPE.",
             rope_type,
         )
-    writer.add_file_type(int(file_types[quantization]))
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, FILE_TYPES[quantization][1])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -481,6 +487,8 @@ def save_gguf(
     missing = sorted(required - names)
     if missing:
         raise ValueError(f"fastft.save_gguf: the merged model has no tensors for {missing[:5]} (of {len(missing)}).")
+    mixture = _mixture_model(base, arch, names)
+    _fallbacks(tensors, quantization, mixture)
 
     scratch_fd, scratch_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".scratch")
     partial_fd, partial_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
@@ -500,7 +508,7 @@ def save_gguf(
                 f32 = gguf.GGMLQuantizationType.F32
                 stored.append(_store(gguf, "rope_freqs.weight", tuple(factors.shape), [factors], f32, scratch))
             for tensor in tqdm(tensors, desc="fastft: merging for GGUF", unit="tensor", disable=not progress):
-                ggml_type = _tensor_type(gguf, tensor.shape, quantization, tensor.name)
+                ggml_type = _tensor_type(gguf, tensor.shape, quantization, tensor.name, mixture)
                 stored.append(_store(gguf, tensor.name, tensor.shape, tensor.blocks(), ggml_type, scratch))
 
         for entry in stored:
