@@ -336,3 +336,26 @@ def test_tied_embeddings_write_no_output_tensor(tmp_path):
     tensors = _tensors(gguf.GGUFReader(files.model))
     assert "output.weight" not in tensors
     _close(_values(tensors["token_embd.weight"]), model.get_input_embeddings().weight.detach(), f16=True)
+
+
+@pytest.mark.parametrize("quantization", ["q4_k_m", "q6_k"])
+def test_k_quant_language_model_takes_llama_cpps_mixture_and_the_mmproj_stays_f16(trained, tmp_path, quantization):
+    from fastft.export.gguf_mixtures import MixtureModel, tensor_type
+
+    processor = SimpleNamespace(tokenizer=trained.tokenizer, image_processor=tiny_image_processor())
+    files = FastModel.save_gguf(trained.model, processor, tmp_path, quantization=quantization)
+    reader = gguf.GGUFReader(files.model)
+    tensors = _tensors(reader)
+    text = trained.model.get_base_model().config.get_text_config()
+    mixture = MixtureModel(int(text.num_hidden_layers), tied="output.weight" not in tensors)
+    for name, tensor in tensors.items():
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        expected = tensor_type(name, shape, quantization, mixture).type_name
+        assert tensor.tensor_type == getattr(gguf.GGMLQuantizationType, expected), name
+    q = tensors["blk.0.attn_q.weight"]
+    reference = trained.expected["model.language_model.layers.0.self_attn.q_proj.weight"]
+    assert float((_values(q) - reference).abs().max()) <= float(reference.abs().max()) / 5
+    file_type = _field(reader, "general.file_type")
+    assert file_type == int(getattr(gguf.LlamaFileType, f"MOSTLY_{quantization.upper()}"))
+    mmproj_types = {t.tensor_type for t in _tensors(gguf.GGUFReader(files.mmproj)).values()}
+    assert mmproj_types <= {gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32}

@@ -37,6 +37,7 @@ from fastft.export.file_modes import as_if_created
 from fastft.export.gguf_arch import PlannedTensor
 from fastft.export.gguf_export import (
     QUANTIZATIONS,
+    _fallbacks,
     _import_gguf,
     _model_stem,
     _progress_bars_enabled,
@@ -46,6 +47,7 @@ from fastft.export.gguf_export import (
     _tensor_type,
     _write_tokenizer,
 )
+from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel
 from fastft.export.gguf_vision import refuse_unexported_family, vision_family
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS
@@ -58,8 +60,9 @@ _VISUAL = "model.visual."
 _LLAMACPP_MERGE, _LLAMACPP_TEMPORAL = 2, 2
 # The attention window llama.cpp's clip uses for qwen2.5vl_merger, in pixels (it reads no window size for it).
 _LLAMACPP_WINDOW = 112
-# The language model's tensor types -> gguf.LlamaFileType member names.
-_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# Every file type the one-file writer has, K-quant mixtures included: the language model takes llama.cpp's per-tensor
+# choices as a text model's file would (gguf_mixtures); the mmproj stays f16.
+_FILE_TYPES = {name: file_type for name, (_, file_type) in FILE_TYPES.items()}
 # The converter's default when the vision config names no image size (Qwen2.5-VL's has none).
 _DEFAULT_IMAGE_SIZE = 560
 
@@ -467,12 +470,15 @@ def save_vlm_gguf(model: torch.nn.Module, processor: Any, path: str | Path, quan
     if missing:
         raise _fail(f"the merged vision tower has no tensors for {missing[:5]} (of {len(missing)} missing).")
 
+    names = {t.name for t in language}
+    mixture = MixtureModel(int(_text_config(base.config).num_hidden_layers), tied="output.weight" not in names)
+    _fallbacks(language, quantization, mixture)
     files = [
         _File(
             out,
             gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2VL],
             _language_metadata(gguf, base, tokenizer, stem, quantization),
-            [(t, _tensor_type(gguf, t.shape, quantization, t.name)) for t in language],
+            [(t, _tensor_type(gguf, t.shape, quantization, t.name, mixture)) for t in language],
         ),
         _File(
             mmproj_out,
