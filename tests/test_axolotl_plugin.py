@@ -5,9 +5,8 @@ fused, its checkpointing request lands on fastft's checkpointer, its loss and Lo
 peft's, and a Trainer built as Axolotl builds one trains it.
 
 Axolotl pins exact transformers / peft / trl versions that no lane has (0.19.0: transformers 5.16.1, peft 0.20.0,
-trl 1.9.0), so it is not a test dependency: install it beside the main environment without its dependencies
-(``pip install --no-deps --target DIR axolotl==0.19.0 addict pydantic==2.12.5 pydantic-core==2.41.5 annotated-types
-typing-inspection`` and ``PYTHONPATH=DIR``). Without it this file is skipped, by name.
+trl 1.9.0), so it is not a test dependency: the ``axolotl`` lane (``.ci/lanes/axolotl.txt``) installs it without its
+dependencies and runs this file (``python .ci/lanes.py --lane axolotl``). Elsewhere it is skipped, by name.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from fastft.checkpointing import modes
 from fastft.checkpointing.layer import LayerCheckpoint
 from fastft.registry import patch_report
 
+pytestmark = pytest.mark.axolotl
 base_module = pytest.importorskip(
     "axolotl.integrations.base", reason="axolotl is not installed (see this file's docstring for how)"
 )

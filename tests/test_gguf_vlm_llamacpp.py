@@ -10,6 +10,7 @@ Skipped where llama_cpp is not importable (the ``llamacpp`` lane installs it).
 from __future__ import annotations
 
 import ctypes
+import importlib
 
 import numpy as np
 import pytest
@@ -25,7 +26,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:fastft.from_pretrained.*processor could not be built"),
 ]
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the llamacpp lane has it)")
-mtmd = pytest.importorskip("llama_cpp.mtmd_cpp", reason="this llama-cpp-python has no mtmd bindings")
+# Where llama_cpp imports (the llamacpp lane), its mtmd bindings must too: the lane builds them, so a missing one is a
+# failure here, not a skip.
+mtmd = importlib.import_module("llama_cpp.mtmd_cpp")
 pytest.importorskip("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", reason="this transformers has no Qwen2.5-VL")
 
 WINDOW = 112

@@ -118,7 +118,7 @@ def test_list_shows_every_lane_oldest_first():
         [sys.executable, str(ROOT / ".ci" / "lanes.py"), "--list"], capture_output=True, text=True, check=True
     )
     names = [line.split()[0] for line in result.stdout.splitlines() if not line.startswith("warning:")]
-    assert names == [*SUPPORTED, "llamacpp"], "the version lanes oldest first, then the feature lanes"
+    assert names == [*SUPPORTED, "axolotl", "llamacpp"], "the version lanes oldest first, then the feature lanes"
     assert "transformers 4.53.3 peft 0.16.0 trl 0.19.1" in result.stdout
 
 
@@ -241,3 +241,34 @@ def test_a_feature_lane_runs_its_marker_and_builds_with_its_settings(lanes, tmp_
     (install, install_env), *_ = [call for call in calls if "-r" in call[0]]
     # Installers cache built wheels by source archive, blind to CMAKE_ARGS: the build must not come from a cache.
     assert install_env["CMAKE_ARGS"] == "-DA=1" and "--no-cache-dir" in install
+
+
+def test_the_axolotl_lane_installs_axolotl_without_its_pins_and_runs_its_marker(lanes, tmp_path, monkeypatch):
+    found = {lane.name: lane for lane in lanes.all_lanes()}
+    lane = found["axolotl"]
+    assert not lane.is_version_lane and lane.marker == "axolotl"
+    assert lane.pins == {**found["newest"].pins, "pydantic": "2.12.5"}
+    assert lane.no_deps == ("axolotl==0.19.0", "addict==2.4.0")
+    test_file = (ROOT / "tests" / "test_axolotl_plugin.py").read_text()
+    assert "pytestmark = pytest.mark.axolotl" in test_file
+
+    calls = []
+    monkeypatch.setattr(
+        lanes.subprocess,
+        "run",
+        lambda command, **kwargs: calls.append(command) or subprocess.CompletedProcess(command, 0),
+    )
+    monkeypatch.setattr(lanes, "VENVS", tmp_path / "venvs")
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
+    wheel.touch()
+    monkeypatch.setenv("FASTFT_TORCH_WHEEL", str(wheel))
+    monkeypatch.setattr(lanes, "check_versions", lambda lane: None)
+    monkeypatch.setattr(lanes, "_create_venv", lambda installer, lane: lane.venv.mkdir(parents=True))
+    assert lanes.build(lane, "pip", rebuild=True) == "built"
+    (no_deps,) = [command for command in calls if "axolotl==0.19.0" in command]
+    assert "--no-deps" in no_deps and "addict==2.4.0" in no_deps and "-r" not in no_deps
+
+    path = tmp_path / "bad.txt"
+    path.write_text("# lane: bad\n# no-deps: axolotl>=0.19\n")
+    with pytest.raises(lanes.LaneError, match=r"bad.txt:2: '# no-deps:' takes an exact pin name==version"):
+        lanes.read_lane(path)
