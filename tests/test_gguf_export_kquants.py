@@ -84,10 +84,24 @@ def test_tiny_llama_k_quant_files(tiny, tmp_path, quantization):
     assert types["blk.4.attn_q.weight"] == types["blk.4.ffn_down.weight"] == types["token_embd.weight"] == base
     assert types["blk.3.ffn_down.weight"] == types["blk.3.attn_v.weight"] == types["output.weight"] == "Q6_K"
     assert types["blk.3.ffn_norm.weight"] == "F32"
-    # The bytes are fastft's K-quant of the merged float32 weight (ffn_down's rows keep their order).
-    merged_down = _merged_weight(merged_dir, "model.layers.4.mlp.down_proj.weight")
+    # The bytes are fastft's K-quant of the merged weight rounded to float16 (ffn_down's rows keep their order) ...
+    merged_down = _merged_weight(merged_dir, "model.layers.4.mlp.down_proj.weight").astype(np.float16)
     tensor = next(t for t in gguf.GGUFReader(file).tensors if t.name == "blk.4.ffn_down.weight")
-    assert np.array_equal(np.asarray(tensor.data).reshape(-1), kquants.quantize(merged_down, base).reshape(-1))
+    expected_bytes = kquants.quantize(merged_down.astype(np.float32), base)
+    assert np.array_equal(np.asarray(tensor.data).reshape(-1), expected_bytes.reshape(-1))
+    # ... and every quantised tensor is what quantising the f16 file's tensor gives: llama.cpp's pipeline (f16 GGUF,
+    # then llama-quantize, whose quantisers write these same bytes: test_gguf_kquants) yields this very file's data.
+    f16 = {t.name: t for t in gguf.GGUFReader(FastModel.save_gguf(model, tokenizer, tmp_path / "f16.gguf")).tensors}
+    for tensor in gguf.GGUFReader(file).tensors:
+        if tensor.tensor_type.name == "F32":
+            continue
+        values = np.asarray(f16[tensor.name].data, dtype=np.float32)
+        encoded = (
+            kquants.quantize(values, tensor.tensor_type.name)
+            if tensor.tensor_type.name in kquants.K_TYPES
+            else gguf.quants.quantize(values, tensor.tensor_type)
+        )
+        assert np.array_equal(np.asarray(tensor.data).reshape(-1), encoded.reshape(-1)), tensor.name
     ids = torch.randint(3, model.config.vocab_size, (1, 23), generator=torch.Generator().manual_seed(5))
     reloaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
