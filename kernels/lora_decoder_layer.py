@@ -273,10 +273,21 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
         grad_mlp_in, mlp_a, mlp_b = mlp_backward(
             spec.mlp, saved.mlp_in, saved[11:], mlp_adapters, grad2d, True, mlp_needs, mlp_casts
         )
-        grad_post, grad_post_weight = rms_norm_backward(
-            grad_mlp_in, saved.hidden_states, post_weight, saved.post_rstd, 0.0, True, True, needs[7]
+        # The residual stream's gradient (what reaches h from the layer's output) joins the norm's in its kernel.
+        fold = grad2d.dtype == saved.hidden_states.dtype
+        grad_hidden, grad_post_weight = rms_norm_backward(
+            grad_mlp_in,
+            saved.hidden_states,
+            post_weight,
+            saved.post_rstd,
+            0.0,
+            True,
+            True,
+            needs[7],
+            grad2d if fold else None,
         )
-        grad_hidden = grad_post.add_(grad2d) if grad_post.dtype == grad2d.dtype else grad_post + grad2d
+        if not fold:
+            grad_hidden = grad_hidden + grad2d
 
         grad_o_in, o_a, o_b = spec.o.backward_math(
             saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
@@ -300,14 +311,21 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
             qkv_casts,
         )
         grad_x = grad_input_weight = None
+        fold = needs[0] and grad_hidden.dtype == saved.x2d.dtype
         if grad_in is not None:
             grad_x, grad_input_weight = rms_norm_backward(
-                grad_in, saved.x2d, input_weight, saved.input_rstd, 0.0, True, needs[0], needs[6]
+                grad_in,
+                saved.x2d,
+                input_weight,
+                saved.input_rstd,
+                0.0,
+                True,
+                needs[0],
+                needs[6],
+                grad_hidden if fold else None,
             )
         if needs[0]:
-            grad_x = (grad_x.add_(grad_hidden) if grad_x.dtype == grad_hidden.dtype else grad_x + grad_hidden).view(
-                batch, seq, hidden
-            )
+            grad_x = (grad_x if fold else grad_x + grad_hidden).view(batch, seq, hidden)
         return (
             grad_x,
             None,

@@ -91,12 +91,16 @@ def _rms_norm_bwd_kernel(
     rstd_ptr,
     dx_ptr,
     dw_partial_ptr,
+    res_ptr,
+    res_row_stride,
+    res_col_stride,
     n_rows,
     n_cols,
     rows_per_program,
     BLOCK: tl.constexpr,
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
@@ -126,8 +130,14 @@ def _rms_norm_bwd_kernel(
             # The casts to the input dtype are treated as identity, as autograd does for .to().
             dn = dy * w
             dot = tl.sum(dn * x_hat, axis=0) / n_cols
-            dx = rstd * (dn - x_hat * dot)
-            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dx = (rstd * (dn - x_hat * dot)).to(dx_ptr.dtype.element_ty)
+            if ADD_RESIDUAL:
+                # The residual stream's other gradient, added as `dx.add_(residual)` would add it: dx rounded to
+                # the output dtype first, the sum in fp32, rounded once more (so bitwise the separate add's result,
+                # without its launch and its extra pass over both tensors).
+                res = tl.load(res_ptr + row * res_row_stride + cols * res_col_stride, mask=mask, other=0.0)
+                dx = (dx.to(tl.float32) + res.to(tl.float32)).to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + row * n_cols + cols, dx, mask=mask)
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=mask)
 
@@ -379,10 +389,19 @@ def _backward(
     cast_before_weight: bool,
     needs_dx: bool,
     needs_dw: bool,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dX, dW), None where not needed, from the saved input, weight and rstd."""
+    """(dX, dW), None where not needed, from the saved input, weight and rstd.
+
+    ``residual`` (x's shape and dtype, only with ``needs_dx``): a gradient to add to dX, as ``dx.add_(residual)``
+    would, in the same pass: a pre-norm layer's input feeds both the norm and the residual add, so its gradient is
+    the sum of the two.
+    """
     if not _takes_triton(x) or x.numel() == 0:
-        return _reference_backward(dy, x, weight, rstd, needs_dx, needs_dw, offset, cast_before_weight)
+        dx, dw = _reference_backward(dy, x, weight, rstd, needs_dx, needs_dw, offset, cast_before_weight)
+        if residual is not None and dx is not None:
+            dx.add_(residual.reshape(dx.shape))
+        return dx, dw
     hidden = x.shape[-1]
     rows = rstd.numel()
     block = triton.next_power_of_2(hidden)
@@ -391,6 +410,8 @@ def _backward(
     programs = triton.cdiv(rows, rows_per_program)
     x2, x_row_stride, x_col_stride = _rows(x, hidden)
     dy2, dy_row_stride, dy_col_stride = _rows(dy, hidden)
+    add_residual = residual is not None and needs_dx
+    res2, res_row_stride, res_col_stride = _rows(residual, hidden) if add_residual else (rstd, 0, 0)
     dx = dispatch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
     dw_partial = dispatch.empty((programs, hidden), dtype=torch.float32, device=x.device) if needs_dw else None
     # An unused pointer argument still needs a tensor; rstd stands in, and the constexpr flag keeps it untouched.
@@ -406,12 +427,16 @@ def _backward(
         rstd,
         dx if needs_dx else rstd,
         dw_partial if needs_dw else rstd,
+        res2,
+        res_row_stride,
+        res_col_stride,
         rows,
         hidden,
         rows_per_program,
         BLOCK=block,
         COMPUTE_DX=needs_dx,
         COMPUTE_DW=needs_dw,
+        ADD_RESIDUAL=add_residual,
         WEIGHT_OFFSET=offset,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         num_warps=_num_warps(block, backward=True),

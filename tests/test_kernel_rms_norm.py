@@ -388,3 +388,24 @@ def test_fp32_llama_norm_on_the_cpu_is_one_fused_call_bit_identical(gen, monkeyp
             assert torch.equal(rms_norm(x, module.weight.to(dtype), 1e-6), module.to(dtype)(x))
             module.float()
     assert len(calls) == 1  # fp16 keeps the reference's rounding
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-residual"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_backward_folds_the_residual_gradient_bitwise(kernel_path, gen, dtype, strided):
+    """The decoder-layer node hands the residual stream's gradient to the norm's backward kernel: dX comes out as the
+    separate `dx.add_(residual)` would make it, bit for bit, on each path."""
+    from fastft.kernels.rms_norm import _backward, _forward
+
+    x = random_tensor((37, 96), dtype, gen)
+    weight = random_tensor((96,), dtype, gen)
+    dy = random_tensor((37, 96), dtype, gen)
+    residual = random_tensor((96, 37), dtype, gen).t() if strided else random_tensor((37, 96), dtype, gen)
+    _, rstd = _forward(x, weight, 1e-6, 0.0, True)
+
+    expected, expected_dw = _backward(dy, x, weight, rstd, 0.0, True, True, True)
+    expected = expected.add_(residual)
+    folded, dw = _backward(dy, x, weight, rstd, 0.0, True, True, True, residual)
+
+    assert torch.equal(folded, expected) and torch.equal(dw, expected_dw)
+    assert not torch.equal(folded, _backward(dy, x, weight, rstd, 0.0, True, True, False)[0])
