@@ -420,14 +420,10 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: PreTrainedTokenizerBase,
         logger.info("fastft.save_gguf: the tokenizer has no chat template; none is written.")
 
 
-def _write_model_metadata(
-    writer: Any, gguf: Any, base: PreTrainedModel, arch: Arch, stem: str, quantization: str
-) -> None:
-    config = base.config
+def write_shape_metadata(writer: Any, config: Any, stem: str) -> None:
+    """The keys every language model's file opens with: its type and name, and the decoder's shape from ``config``
+    (a text config: a vision-language model passes its language model's)."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = _head_dim(config)
-    theta, rope_type, params = _rope(base)
     writer.add_type("model")
     writer.add_name(stem)
     writer.add_context_length(int(config.max_position_embeddings))
@@ -435,7 +431,17 @@ def _write_model_metadata(
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(int(heads))
-    writer.add_head_count_kv(int(kv_heads))
+    writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or heads))
+
+
+def _write_model_metadata(
+    writer: Any, gguf: Any, base: PreTrainedModel, arch: Arch, stem: str, quantization: str
+) -> None:
+    config = base.config
+    heads = config.num_attention_heads
+    head_dim = _head_dim(config)
+    theta, rope_type, params = _rope(base)
+    write_shape_metadata(writer, config, stem)
     writer.add_rope_dimension_count(int(head_dim))
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))

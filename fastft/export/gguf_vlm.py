@@ -46,6 +46,7 @@ from fastft.export.gguf_export import (
     _Stored,
     _tensor_type,
     _write_tokenizer,
+    write_shape_metadata,
 )
 from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel
 from fastft.export.gguf_vision import refuse_unexported_family, vision_family
@@ -327,14 +328,7 @@ def _language_metadata(gguf: Any, base: PreTrainedModel, tokenizer: Any, stem: s
     n_vocab = int(base.get_input_embeddings().weight.shape[0])
 
     def write(writer: Any) -> None:
-        writer.add_type("model")
-        writer.add_name(stem)
-        writer.add_context_length(int(text.max_position_embeddings))
-        writer.add_embedding_length(int(text.hidden_size))
-        writer.add_block_count(int(text.num_hidden_layers))
-        writer.add_feed_forward_length(int(text.intermediate_size))
-        writer.add_head_count(int(text.num_attention_heads))
-        writer.add_head_count_kv(int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads))
+        write_shape_metadata(writer, text, stem)
         writer.add_rope_dimension_count(int(head_dim))
         writer.add_rope_dimension_sections(sections)
         writer.add_rope_freq_base(theta)
