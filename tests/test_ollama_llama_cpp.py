@@ -4,7 +4,8 @@ Ollama renders the Modelfile TEMPLATE and hands the text to llama.cpp, which par
 BOS when the GGUF's ``tokenizer.ggml.add_bos_token`` says so. This checks that whole path against
 ``apply_chat_template(..., tokenize=True)``: the text (``tests/test_ollama.py``) and the BOS rule (left out of the
 template when llama.cpp adds it) together give the same ids. It needs llama-cpp-python, which is built from source
-in its own environment (``/work/lcpvenv``); elsewhere the module is skipped by name.
+in its own environment, the ``llamacpp`` lane (``python .ci/lanes.py --lane llamacpp``); elsewhere the module is
+skipped by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastft import FastModel
 from fastft.export.gguf_export import _adds
 from fastft.export.ollama_template import ollama_prompt
 
+pytestmark = pytest.mark.llamacpp
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed only in the llama.cpp lane")
 
 
