@@ -21,6 +21,17 @@ def test_other_names_pass_through():
     assert resolve_alias("meta-llama/Llama-3.2-1B", None) == ("meta-llama/Llama-3.2-1B", None)
 
 
+@pytest.mark.lane
+def test_embedded_model_converts_on_every_release(tmp_path, monkeypatch):
+    """The one-time GGUF conversion loads with the load-dtype keyword of the installed release (torch_dtype before
+    4.56, where dtype= would reach the model's __init__)."""
+    monkeypatch.setenv("FASTFT_CACHE", str(tmp_path / "cache"))
+    model, _ = FastModel.from_pretrained("smollm2-135m", max_seq_length=64, dtype=torch.float32)
+    config = model.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (9, 3, 576)
+    assert model.dtype == torch.float32 and not hasattr(config, "quantization_config")
+
+
 def test_embedded_model_loads_and_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTFT_CACHE", str(tmp_path / "cache"))
     model, tokenizer = FastModel.from_pretrained("smollm2-135m", max_seq_length=512)

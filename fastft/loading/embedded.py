@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fastft.loading.dtypes import _DTYPE_KWARG
+
 # The name it had as fastft/embedded.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.embedded")
 
@@ -85,7 +87,8 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        # The load dtype's keyword by release (torch_dtype before 4.56): dtype= reaches the model's __init__ there.
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **{_DTYPE_KWARG: torch.float32})
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         # The GGUF quantisation entry describes the source file, not these dequantised weights.
         if hasattr(model.config, "quantization_config"):
