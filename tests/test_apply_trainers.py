@@ -6,6 +6,7 @@ parameters of the model it trained, and a trainer's ``gradient_checkpointing=Tru
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -127,6 +128,16 @@ def test_an_optimizer_built_before_apply_trains_the_same_parameters(tiny_llama_d
     fastft.apply(trainer.model)
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     assert {id(p) for p in held} == {id(p) for p in trained}
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """TrainingArguments exports its precision as ACCELERATE_MIXED_PRECISION (trl 0.19's SFTConfig defaults to bf16),
+    which every later Trainer in the process would pick up: each test here leaves os.environ as it found it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _sft_trainer(folder, tokenizer, tmp_path, callbacks):
