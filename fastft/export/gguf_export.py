@@ -466,6 +466,21 @@ def _write_model_metadata(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def write_stored(writer: Any, stored: list[_Stored], scratch_name: str, progress: bool) -> None:
+    """Write the header, the metadata, the tensor infos and then every converted tensor from the scratch file: the
+    GGUF header needs each tensor's type and shape before the first byte of data."""
+    for entry in stored:
+        writer.add_tensor_info(entry.name, entry.byte_shape, np.dtype(np.uint8), entry.nbytes, entry.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total = sum(entry.nbytes for entry in stored)
+    with tqdm(total=total, desc="fastft: writing GGUF", unit="B", unit_scale=True, disable=not progress) as bar:
+        for entry in stored:
+            writer.write_tensor_data(_ScratchBytes(scratch_name, entry.offset, entry.nbytes))
+            bar.update(entry.nbytes)
+
+
 def save_gguf(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -523,16 +538,7 @@ def save_gguf(
                 ggml_type = _tensor_type(gguf, tensor.shape, quantization, tensor.name, mixture)
                 stored.append(_store(gguf, tensor.name, tensor.shape, tensor.blocks(), ggml_type, scratch))
 
-        for entry in stored:
-            writer.add_tensor_info(entry.name, entry.byte_shape, np.dtype(np.uint8), entry.nbytes, entry.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        total = sum(entry.nbytes for entry in stored)
-        with tqdm(total=total, desc="fastft: writing GGUF", unit="B", unit_scale=True, disable=not progress) as bar:
-            for entry in stored:
-                writer.write_tensor_data(_ScratchBytes(scratch_name, entry.offset, entry.nbytes))
-                bar.update(entry.nbytes)
+        write_stored(writer, stored, scratch_name, progress)
         writer.close()
         writer = None
         with open(partial_name, "rb") as handle:

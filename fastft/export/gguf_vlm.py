@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from peft import PeftModel
 from tqdm.auto import tqdm
@@ -41,12 +40,12 @@ from fastft.export.gguf_export import (
     _import_gguf,
     _model_stem,
     _progress_bars_enabled,
-    _ScratchBytes,
     _store,
     _Stored,
     _tensor_type,
     _write_tokenizer,
     write_shape_metadata,
+    write_stored,
 )
 from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel
 from fastft.export.gguf_vision import refuse_unexported_family, vision_family
@@ -396,13 +395,7 @@ def _write(gguf: Any, file: _File, partial: str, progress: bool) -> None:
             desc = f"fastft: merging for {file.out.name}"
             for tensor, ggml_type in tqdm(file.tensors, desc=desc, unit="tensor", disable=not progress):
                 stored.append(_store(gguf, tensor.name, tensor.shape, tensor.blocks(), ggml_type, scratch))
-        for entry in stored:
-            writer.add_tensor_info(entry.name, entry.byte_shape, np.dtype(np.uint8), entry.nbytes, entry.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for entry in stored:
-            writer.write_tensor_data(_ScratchBytes(scratch_name, entry.offset, entry.nbytes))
+        write_stored(writer, stored, scratch_name, progress)
         writer.close()
         writer = None
         with open(partial, "rb") as handle:
