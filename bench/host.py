@@ -17,9 +17,11 @@ compile=True)``; ``not run`` with the error where fastft rejects it).
 After ``--warmup`` steps (the first one's loss is the row's), the systems alternate for ``--rounds`` rounds of
 ``--steps`` timed steps (the first system rotates). A row has the median host time, tokens/s and the aten operators
 one step dispatches (a ``TorchDispatchMode`` over forward and backward; for compiled code, what the compiled
-artifact still dispatches). With ``--device cuda`` (UNTESTED) each step is synchronised on both sides
-(``host_issue_s``: until ``backward`` returned), and one ``torch.profiler`` step gives the kernels launched, their GPU
-time and the GPU busy fraction (kernel time / median step). The JSON holds the rows, ratios to both baselines and
+artifact still dispatches), and the floor those operators set (``op_floor_s``: the step's operators replayed with no
+Python around them, see ``Runner.count``; ``python_share``: the rest of the host time, the framework's Python).
+With ``--device cuda`` (UNTESTED) each step is synchronised on both sides (``host_issue_s``: until ``backward``
+returned), and one ``torch.profiler`` step gives the kernels launched, their GPU time and the GPU busy fraction
+(kernel time / median step). The JSON holds the rows, ratios to both baselines and
 the issue's targets; exit status 1 after writing it when a system failed or the losses disagree.
 """
 
@@ -79,6 +81,7 @@ LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to the baseline
 PREFIX = "HOST-BENCH "
 QUICK = {"layers": 2, "rounds": 2, "steps": 2, "warmup": 1}
 DEFAULTS = {"layers": 16, "rounds": 30, "steps": 3, "warmup": 3}
+FLOOR_REPEATS = 15
 
 
 class NotRun(Exception):
@@ -86,11 +89,14 @@ class NotRun(Exception):
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every aten operator dispatched while open (autograd's backward included), by name."""
+    """Counts every aten operator dispatched while open (autograd's backward included), by name; with ``record``,
+    also keeps each call (operator, arguments) in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.record = record
+        self.calls: list[tuple[Any, tuple, dict]] = []
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -99,6 +105,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.counts[str(func)] += 1
+        if self.record:
+            self.calls.append((func, args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
@@ -201,11 +209,38 @@ class Runner:
         return {"host_s": walls, "host_issue_s": issues} if self.cuda else {"host_s": walls}
 
     def count(self) -> dict[str, Any]:
-        """The aten operators one step dispatches, and the most frequent ones."""
-        with OpCounter() as counter:
+        """The aten operators one step dispatches, the most frequent ones, and what they alone cost (``op_floor_s``).
+
+        The floor: one step's operators, recorded with their arguments, replayed ``FLOOR_REPEATS`` times with grad
+        mode off and nothing else around them (median, less the replay loop's own cost, measured by replaying the
+        same calls into a Python no-op). What a step would cost if the framework's Python took no time at all, so
+        ``median_host_s - op_floor_s`` is the framework's own Python, and a host-time target below the floor needs
+        fewer operators, not faster Python. An estimate: a replayed operator skips autograd's recording, and its
+        call goes through ``OpOverload.__call__``, a little dearer than a tensor method's binding.
+        """
+        with OpCounter(record=True) as counter:
             self.step()
         self._sync()
-        return {"ops_per_step": sum(counter.counts.values()), "top_ops": counter.counts.most_common(12)}
+        calls = counter.calls
+        counter.calls = []
+
+        def replay(target: Callable[..., Any] | None) -> float:
+            self._sync()
+            started = time.perf_counter()
+            with torch.no_grad():
+                for func, args, kwargs in calls:
+                    (target or func)(*args, **kwargs)
+            self._sync()
+            return time.perf_counter() - started
+
+        def noop(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        replay(None)  # the first replay allocates what later ones reuse
+        ops = statistics.median(replay(None) for _ in range(FLOOR_REPEATS))
+        loop = statistics.median(replay(noop) for _ in range(FLOOR_REPEATS))
+        found = {"ops_per_step": sum(counter.counts.values()), "top_ops": counter.counts.most_common(12)}
+        return found | {"op_floor_s": max(ops - loop, 0.0), "op_replay_loop_s": loop}
 
     def profile(self) -> dict[str, Any]:
         """CUDA only: kernels (and copies) one step runs on the GPU, launch calls, and their summed GPU time."""
@@ -397,8 +432,11 @@ def summarise(rows: dict[str, dict[str, Any]], dtype: str) -> dict[str, Any]:
             f"{metric}_vs_{baseline}": _ratio(row.get(field), rows[baseline].get(field))
             for baseline in (BASELINE, BASELINE_GC)
             if baseline in rows
-            for metric, field in (("host", "median_host_s"), ("ops", "ops_per_step"))
+            for metric, field in (("host", "median_host_s"), ("ops", "ops_per_step"), ("floor", "op_floor_s"))
         }
+        if row.get("op_floor_s") is not None and row.get("median_host_s"):
+            # What of the step is the framework's Python rather than its operators (see Runner.count).
+            row["python_share"] = 1.0 - row["op_floor_s"] / row["median_host_s"]
     ran = {name: row for name, row in rows.items() if row["status"] == "ok"}
     reference = rows.get(BASELINE, {}).get("loss")
     if reference is None:
@@ -414,8 +452,9 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-HEADERS = ["system", "status", "host ms", "min ms", "tok/s", "ops", "vs peft", "vs gc", "ops/peft", "loss", "Δloss"]
-WIDTHS = ("<22", "<8", ">8", ">7", ">6", ">6", ">8", ">6", ">8", ">10", ">9")
+HEADERS = ["system", "status", "host ms", "min ms", "floor ms", "tok/s", "ops", "vs peft", "vs gc", "ops/peft"]
+HEADERS += ["loss", "Δloss"]
+WIDTHS = ("<22", "<8", ">8", ">7", ">8", ">6", ">6", ">8", ">6", ">8", ">10", ">9")
 RATIO_COLUMNS = (("host", BASELINE), ("host", BASELINE_GC), ("ops", BASELINE))
 
 
@@ -430,7 +469,8 @@ def table(record: dict[str, Any]) -> str:
     ]
     for name, row in record["systems"].items():
         ratios = [row["ratios"].get(f"{metric}_vs_{base}") for metric, base in RATIO_COLUMNS]
-        cells = [name, row["status"], *(_fmt(row[key], ".2f", 1e3) for key in ("median_host_s", "min_host_s"))]
+        timings = (row.get(key) for key in ("median_host_s", "min_host_s", "op_floor_s"))
+        cells = [name, row["status"], *(_fmt(value, ".2f", 1e3) for value in timings)]
         cells.append(_fmt(row["tokens_per_s"], ".0f"))
         cells += [str(row.get("ops_per_step", "-")), *(_fmt(ratio, ".3f") for ratio in ratios)]
         cells += [_fmt(row.get("loss"), ".6f"), _fmt(row.get("loss_diff"), ".1e")]
@@ -495,6 +535,9 @@ def measure(args: argparse.Namespace, names: list[str], specs: dict[str, dict[st
                     rows[name]["round_medians_s"].append(statistics.median(result["host_s"]))
         for name in list(runners):
             rows[name].update(attempt(name, "op count", runners[name].count) or {})
+            if name == COMPILED:
+                # Its generated kernels are not aten operators: a replay of what it dispatches is no floor of it.
+                rows[name].pop("op_floor_s", None)
             if args.device == "cuda" and name in runners:
                 rows[name].update(attempt(name, "profile", runners[name].profile) or {})
         for name in list(runners):
