@@ -400,7 +400,8 @@ def _backward(
     if not _takes_triton(x) or x.numel() == 0:
         dx, dw = _reference_backward(dy, x, weight, rstd, needs_dx, needs_dw, offset, cast_before_weight)
         if residual is not None and dx is not None:
-            dx.add_(residual.reshape(dx.shape))
+            # The decoder-layer node hands it in dX's shape already: no view dispatched for nothing.
+            dx.add_(residual if residual.shape == dx.shape else residual.reshape(dx.shape))
         return dx, dw
     hidden = x.shape[-1]
     rows = rstd.numel()
