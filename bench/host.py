@@ -48,25 +48,25 @@ import subprocess
 import tempfile
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def _bench_worker() -> Any:
-    # fastft bench's worker: the same seeded adapters (set_lora) in both benchmarks. Loaded by path, as the worker
-    # loads its own neighbours, because the Unsloth subprocess's environment may have no fastft to import it from.
-    path = Path(__file__).resolve().parent.parent / "fastft" / "bench" / "worker.py"
-    spec = importlib.util.spec_from_file_location("_fastft_bench_worker", path)
+def _by_path(path: Path, name: str) -> Any:
+    # Loaded by path, as fastft bench's worker loads its own neighbours: the Unsloth subprocess's environment may have
+    # no fastft to import from, and this script keeps its own folder off sys.path.
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_WORKER = _bench_worker()
+# fastft bench's worker: the same seeded adapters (set_lora) in both benchmarks.
+_WORKER = _by_path(Path(__file__).resolve().parent.parent / "fastft" / "bench" / "worker.py", "_fastft_bench_worker")
+_OP_FLOOR = _by_path(Path(__file__).resolve().parent / "op_floor.py", "_fastft_bench_op_floor")
+OpCounter, operator_floor = _OP_FLOOR.OpCounter, _OP_FLOOR.operator_floor
 set_lora = _WORKER.set_lora
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECTIONS = _WORKER.TARGETS
@@ -86,28 +86,6 @@ FLOOR_REPEATS = 15
 
 class NotRun(Exception):
     """A system that cannot run in this environment (its message is the reason it gave); the row says so."""
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten operator dispatched while open (autograd's backward included), by name; with ``record``,
-    also keeps each call (operator, arguments) in order."""
-
-    def __init__(self, record: bool = False) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-        self.record = record
-        self.calls: list[tuple[Any, tuple, dict]] = []
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # False would make torch.compile fall back to eager under this mode, counting ops the compiled step never runs.
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.counts[str(func)] += 1
-        if self.record:
-            self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def write_model(folder: Path, layers: int) -> None:
@@ -209,39 +187,14 @@ class Runner:
         return {"host_s": walls, "host_issue_s": issues} if self.cuda else {"host_s": walls}
 
     def count(self) -> dict[str, Any]:
-        """The aten operators one step dispatches, the most frequent ones, and what they alone cost (``op_floor_s``).
-
-        The floor: one step's operators, recorded with their arguments, replayed ``FLOOR_REPEATS`` times with grad
-        mode off and nothing else around them (the fastest replay, less the replay loop's own cost, measured by
-        replaying the same calls into a Python no-op). What a step would cost if the framework's Python took no time at all, so
-        ``median_host_s - op_floor_s`` is the framework's own Python, and a host-time target below the floor needs
-        fewer operators, not faster Python. An estimate: a replayed operator skips autograd's recording, and its
-        call goes through ``OpOverload.__call__``, a little dearer than a tensor method's binding.
-        """
+        """The aten operators one step dispatches, the most frequent ones, and what they alone cost (``op_floor_s``,
+        ``op_replay_loop_s``: see ``bench/op_floor.py``)."""
         with OpCounter(record=True) as counter:
             self.step()
         self._sync()
-        calls = counter.calls
-        counter.calls = []
-
-        def replay(target: Callable[..., Any] | None) -> float:
-            self._sync()
-            started = time.perf_counter()
-            with torch.no_grad():
-                for func, args, kwargs in calls:
-                    (target or func)(*args, **kwargs)
-            self._sync()
-            return time.perf_counter() - started
-
-        def noop(*args: Any, **kwargs: Any) -> None:
-            return None
-
-        replay(None)  # the first replay allocates what later ones reuse
-        # The least of the repeats: a floor is what the operators cost at best, and load only ever adds to it.
-        ops = min(replay(None) for _ in range(FLOOR_REPEATS))
-        loop = min(replay(noop) for _ in range(FLOOR_REPEATS))
+        calls, counter.calls = counter.calls, []
         found = {"ops_per_step": sum(counter.counts.values()), "top_ops": counter.counts.most_common(12)}
-        return found | {"op_floor_s": max(ops - loop, 0.0), "op_replay_loop_s": loop}
+        return found | operator_floor(calls, self._sync, FLOOR_REPEATS)
 
     def profile(self) -> dict[str, Any]:
         """CUDA only: kernels (and copies) one step runs on the GPU, launch calls, and their summed GPU time."""

@@ -290,9 +290,9 @@ def test_llama3_pre_tokenizer_round_trip(tiny_dirs, tmp_path):
     # "llama-bpe", which transformers' loader turns back into the same pre-tokenizer.
     from tokenizers import Regex, pre_tokenizers
 
-    from fastft.export.gguf_export import _LLAMA3_SPLIT
+    from fastft.loading.gguf_tokenizer import LLAMA3_SPLIT
 
-    split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
     tokenizer = _small_tokenizer(
         pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     )

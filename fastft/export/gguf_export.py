@@ -50,6 +50,7 @@ from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, fallback_warni
 from fastft.export.gguf_vision import refuse_vision_language
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
+from fastft.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 
 if TYPE_CHECKING:
     import gguf as gguf_types
@@ -64,15 +65,7 @@ QUANTIZATIONS = tuple(FILE_TYPES)
 _CHUNK_ELEMENTS = 1 << 24
 _COPY_BYTES = 16 << 20
 # Pre-tokenizer split patterns (as tokenizer.json spells them) and the name llama.cpp knows them by.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_PRE_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+_SPLIT_PRE_NAMES = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
 _LLAMA_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
 
 

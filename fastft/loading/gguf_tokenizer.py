@@ -20,17 +20,17 @@ from typing import Any
 _GPT2_PRES = frozenset({"gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion"})
 _DIGITS_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 # Split patterns as tokenizer.json spells them; fastft.export.gguf_export maps the same two back to these names.
-_LLAMA3_SPLIT = (
+LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
+QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_PRES = {
-    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"), LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), QWEN2_SPLIT),
 }
 # Llama 3's tokenizer.json takes a whole word from the vocabulary before trying merges (ignore_merges), and llama.cpp
 # does the same for these pre-tokenizers.
