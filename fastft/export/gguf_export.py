@@ -50,7 +50,7 @@ from fastft.export.gguf_mixtures import FILE_TYPES, MixtureModel, fallback_warni
 from fastft.export.gguf_vision import refuse_vision_language
 from fastft.export.merge import MergedTensor, merge_plan
 from fastft.export.shards import BLOCK_ELEMENTS, check_block
-from fastft.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+from fastft.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT, has_byte_level
 
 if TYPE_CHECKING:
     import gguf as gguf_types
@@ -334,14 +334,6 @@ def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
     return "default"
 
 
-def _has_byte_level(pre: dict[str, Any] | None) -> bool:
-    if pre is None:
-        return False
-    if pre.get("type") == "ByteLevel":
-        return True
-    return any(_has_byte_level(step) for step in pre.get("pretokenizers", []) or [])
-
-
 def _adds(tokenizer: PreTrainedTokenizerBase, token_id: int | None, position: int) -> bool:
     if token_id is None:
         return False
@@ -359,7 +351,7 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: PreTrainedTokenizerBase,
         )
     spec = json.loads(backend.to_str())
     model_spec = spec.get("model", {})
-    if model_spec.get("type") != "BPE" or not _has_byte_level(spec.get("pre_tokenizer")):
+    if model_spec.get("type") != "BPE" or not has_byte_level(spec.get("pre_tokenizer")):
         raise ValueError(
             f"fastft.save_gguf: only byte-level BPE tokenizers (GPT-2 / Llama 3 / SmolLM style) are exported; this "
             f"one is a {model_spec.get('type')!r} model with pre-tokenizer "

@@ -88,11 +88,11 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerSpec:
         return None if entry is None else entry.contents()
 
     special_ids = {}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id")):
-        if value(f"tokenizer.ggml.{key}") is not None:
-            special_ids[name] = int(value(f"tokenizer.ggml.{key}"))
-    if value("tokenizer.ggml.padding_token_id") is not None:
-        special_ids["pad"] = int(value("tokenizer.ggml.padding_token_id"))
+    keys = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"))
+    for name, key in keys:
+        found = value(f"tokenizer.ggml.{key}")
+        if found is not None:
+            special_ids[name] = int(found)
     template: str | dict[str, str] | None = value("tokenizer.chat_template")
     # Named templates (tool use, RAG) live in their own keys, listed in tokenizer.chat_templates.
     names = value("tokenizer.chat_templates") or []
@@ -224,11 +224,19 @@ def build_tokenizer(spec: GGUFTokenizerSpec) -> Any:
     )
 
 
+def has_byte_level(section: dict[str, Any] | None) -> bool:
+    """Whether a ``tokenizer.json`` pre-tokenizer or decoder section is, or holds in its Sequence, a ByteLevel step."""
+    if section is None:
+        return False
+    if section.get("type") == "ByteLevel":
+        return True
+    steps = (section.get("pretokenizers") or []) + (section.get("decoders") or [])
+    return any(has_byte_level(step) for step in steps)
+
+
 def is_byte_level(tokenizer: Any) -> bool:
     """Whether a fast tokenizer decodes bytes (a ByteLevel decoder), as a ``"gpt2"`` GGUF vocabulary needs."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    return any(step.get("type") == "ByteLevel" for step in steps)
+    return has_byte_level(json.loads(backend.to_str()).get("decoder"))
