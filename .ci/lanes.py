@@ -4,7 +4,7 @@
 Each ``.ci/lanes/<lane>.txt`` pins one set of transformers / peft / trl / bitsandbytes / accelerate / datasets
 exactly. For every lane this script builds (or reuses) ``.lanes/<lane>/`` at the repository root with torch 2.13.0
 from the local CPU wheel, the lane's pins, the rest of fastft's runtime and test dependencies, and fastft itself
-(editable, no dependencies), then runs ``python -m pytest -q -m lane`` in it.
+(editable, no dependencies), then runs ``python -m pytest -q -m "lane and not variant"`` in it.
 
 A feature lane pins one of those sets plus what a group of tests needs beyond fastft's dependencies, and names
 that group's marker in a ``# marker: <name>`` line; it runs ``pytest -m <name>`` instead. ``# env: NAME=value``
@@ -84,6 +84,13 @@ class Lane:
     def is_version_lane(self) -> bool:
         """A supported library set (README, "Supported versions"), not a feature lane."""
         return self.marker == "lane"
+
+    @property
+    def selection(self) -> str:
+        """The ``pytest -m`` expression: a version lane runs one case of each lane test (``variant`` cases, a further
+        shape, length or checkpointing mode of the same code path, are fastft's own arithmetic and the main run checks
+        them once); a feature lane runs its whole group."""
+        return f"{self.marker} and not variant" if self.is_version_lane else self.marker
 
     @property
     def venv(self) -> Path:
@@ -368,7 +375,7 @@ def _junit_counts(path: Path) -> dict[str, int]:
 
 
 def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tuple[int, dict[str, int]]:
-    """Run ``python -m pytest -q -m <lane.marker>`` in the lane from the repository root; returns the exit code and
+    """Run ``python -m pytest -q -m <lane.selection>`` in the lane from the repository root; returns the exit code and
     counts.
 
     With ``log``, pytest's output goes to that file (lanes running side by side would interleave theirs)."""
@@ -379,7 +386,7 @@ def run_tests(lane: Lane, pytest_args: list[str], log: Path | None = None) -> tu
     # that name that bitsandbytes and transformers probe for (README, "Layout").
     env["PYTHONSAFEPATH"] = "1"
     env.pop("PYTHONPATH", None)
-    command = [str(lane.python), "-m", "pytest", "-q", "-m", lane.marker, f"--junitxml={junit}", *pytest_args]
+    command = [str(lane.python), "-m", "pytest", "-q", "-m", lane.selection, f"--junitxml={junit}", *pytest_args]
     print(f"[{lane.name}] $ {' '.join(command)}", flush=True)
     if log is None:
         code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode

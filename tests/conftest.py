@@ -17,6 +17,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Kernel tests run the Triton kernels on CPU through the interpreter. Triton decides whether a kernel is interpreted
 # when it is decorated, at import, so the switch is set here, before anything imports fastft.kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Everything else runs the kernels' torch reference, and so does every program a test or fixture starts (fastft train,
+# torchrun ranks, the benchmarks, notebook kernels): interpreting every kernel made a three-step DDP run take 130 s
+# instead of 10. Tests that check the Triton path lift it (``_reference_kernels_unless_asked`` below).
+os.environ["FASTFT_DISABLE_TRITON"] = "1"
+# One torch thread here and in every program a test starts: CI runs two test processes on two cores, and two OpenMP
+# threads per process spin-wait on each other (a DPO step of the embedded model took 28 s on two threads, 2-4 s on one).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 # The registry imports no patch; fastft.patches registers the built-in ones (what fastft.model does on import).
 import fastft.patches  # noqa: E402, F401
@@ -68,6 +76,23 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+
+
+def lane_cases(values, ids=None) -> list:
+    """Cases for ``pytest.mark.parametrize`` of a lane test: the first runs in every version lane, the rest are marked
+    ``variant`` and run in the main run only.
+
+    A lane checks that fastft still works on one supported library set; a further shape, sequence length or
+    checkpointing mode of the same code path is fastft's own arithmetic, the same under every set, so checking it once
+    (the main run) is enough and keeps CI inside its time. Put first the case that reaches most of what the libraries
+    provide. A tuple value fills several arguments.
+    """
+    cases = []
+    for index, value in enumerate(values):
+        marks = () if index == 0 else (pytest.mark.variant,)
+        arguments = value if isinstance(value, tuple) else (value,)
+        cases.append(pytest.param(*arguments, id=None if ids is None else ids[index], marks=marks))
+    return cases
 
 
 def tiny_llama_config(tokenizer, **overrides):
@@ -191,13 +216,19 @@ def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, scale: float 
 
 
 @pytest.fixture(autouse=True)
-def _reference_kernels_unless_asked(request):
+def _reference_kernels_unless_asked(request, monkeypatch):
     """Model tests that don't ask for ``kernel_path`` run the kernels' torch reference: through the interpreter, a
     patched model's kernels take seconds per step, and those tests check something else. The kernel tests
-    (test_kernel_*.py) choose their path themselves."""
+    (test_kernel_*.py) choose their path themselves, and a test marked ``interpreted`` starts a program whose Triton
+    path it checks: for those the environment switch set at the top of this file is lifted."""
     from fastft.kernels import dispatch
 
-    if "kernel_path" in request.fixturenames or request.module.__name__.startswith("test_kernel_"):
+    if (
+        "kernel_path" in request.fixturenames
+        or request.module.__name__.startswith("test_kernel_")
+        or request.node.get_closest_marker("interpreted") is not None
+    ):
+        monkeypatch.delenv("FASTFT_DISABLE_TRITON", raising=False)
         yield
         return
     with dispatch.force_reference():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_lora_b
+from conftest import lane_cases, randomize_lora_b
 from parity import assert_lora_step_matches, make_batch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
@@ -50,7 +50,7 @@ def _assert_fused(model, calls: list[str]) -> None:
     assert model.get_base_model().fastft_fused_loss_calls >= 1
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload"]))
 def test_lora_then_apply_matches_the_unapplied_model(tiny_llama_dir, kernel_path, fused_calls, checkpointing):
     model = _lora(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)))
     randomize_lora_b(model)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj", "down_proj")}
 # The tuner's groups each fused function asks it about.
@@ -127,6 +129,7 @@ def test_lora_bench_cpu_reference_writes_json(tmp_path):
         assert run["gemm_paths"] == {system: ["cublas"] for system in run["gemm_choices"]}
 
 
+@pytest.mark.interpreted
 def test_lora_bench_every_system_and_group_through_triton_interpreter(tmp_path):
     # Every system and group, the Triton kernels run by the interpreter: what the GPU run will time, checked for
     # agreement with peft (the times themselves measure the interpreter and mean nothing). NF4 alone: its "triton"

@@ -20,6 +20,8 @@ def _env(reference_kernels: bool = True, one_thread: bool = False) -> dict[str, 
     if reference_kernels:
         # Training through Triton's interpreter would take minutes a step; the kernels are checked elsewhere.
         env["FASTFT_DISABLE_TRITON"] = "1"
+    else:
+        env.pop("FASTFT_DISABLE_TRITON", None)
     if one_thread:
         # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait on each other
         # (a DPO step of the embedded model measured 28 s on two threads, 2-4 s on one).

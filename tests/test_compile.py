@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import relative_error
+from conftest import lane_cases, relative_error
 from parity import FAMILIES, GRAD_TOLERANCE, LOSS_TOLERANCE, lora_model, loss_and_grads, make_batch, save_family
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -48,7 +48,7 @@ def _layer_call(model, batch) -> tuple[torch.nn.Module, tuple, dict]:
     return layer, args, kwargs
 
 
-@pytest.mark.parametrize("patch", [True, False], ids=["fastft", "stock"])
+@pytest.mark.parametrize("patch", lane_cases([True, False], ids=["fastft", "stock"]))
 def test_a_patched_decoder_layer_has_no_graph_break(family, patch):
     name, folder = family
     model = lora_model(folder, patch=patch, checkpointing=False)
@@ -64,7 +64,7 @@ def test_a_patched_decoder_layer_has_no_graph_break(family, patch):
         assert any("fastft." in op for op in ops), f"{name}: no fastft custom op in the traced layer: {sorted(ops)}"
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload"], ids=["no-ckpt", "recompute", "offload"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload"], ids=["recompute", "no-ckpt", "offload"]))
 def test_regional_compile_matches_eager(family, checkpointing):
     """Loss and every LoRA gradient of the compiled model equal eager's within fp32 rounding; the decoder layers share
     one compiled graph per kind of layer (Gemma 3's sliding and full layers are two kinds)."""
@@ -88,7 +88,9 @@ def test_regional_compile_matches_eager(family, checkpointing):
     assert 1 <= counter.frame_count <= bound, f"{name}: {counter.frame_count} compiled frames"
 
 
-@pytest.mark.parametrize(("checkpointing", "graphs"), [(False, 2), ("offload", 4)], ids=["no-ckpt", "offload"])
+@pytest.mark.parametrize(
+    ("checkpointing", "graphs"), lane_cases([(False, 2), ("offload", 4)], ids=["no-ckpt", "offload"])
+)
 def test_regional_compile_shares_one_graph_among_layers(tmp_path_factory, smol_tokenizer, checkpointing, graphs):
     """Eight layers, and as many graphs as two layers need: the first layer's (its input needs no gradient) and the one
     the other seven share; under checkpointing each twice (the forward without grad, the recompute with it)."""

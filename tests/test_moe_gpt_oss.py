@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import lane_cases, randomize_lora_b, relative_error
 from parity import assert_backbone_router_logits_match, assert_moe_step_matches, count, graph_nodes, stock_like
 
 from fastft import FastModel
@@ -64,7 +64,7 @@ def _ours(folder, checkpointing=False):
     return model, tokenizer
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload", "sqrt"]))
 def test_loss_and_lora_gradients_match_stock_peft(oss_dir, kernel_path, checkpointing):
     model, _ = _ours(oss_dir, checkpointing)
     ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))

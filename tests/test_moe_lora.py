@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import lane_cases, randomize_lora_b, relative_error
 from parity import assert_backbone_router_logits_match, assert_moe_step_matches, stock_like
 from safetensors.torch import save_file
 
@@ -207,8 +207,8 @@ def test_lora_gradients_reach_exactly_the_experts_that_got_tokens(moe_dir):
     assert totals[2] == 0.0 and totals[3] == 0.0
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload", "sqrt"])
-@pytest.mark.parametrize("router_logits", [False, True])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload", "sqrt"]))
+@pytest.mark.parametrize("router_logits", lane_cases([True, False]))
 def test_loss_and_lora_gradients_match_stock_peft(moe_dir, kernel_path, checkpointing, router_logits):
     model, _ = FastModel.from_pretrained(str(moe_dir), max_seq_length=64, dtype=torch.float32)
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=checkpointing)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import lane_cases, randomize_lora_b, relative_error
 from parity import assert_moe_step_matches, stock_like
 from test_moe_lora import HIDDEN, VOCAB, _expert_grads, _layout, _model, _route_to_first_two
 
@@ -64,7 +64,7 @@ def _ids(seed: int, length: int = 12) -> torch.Tensor:
     return torch.randint(4, VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False]))
 def test_per_expert_modules_take_the_fused_path_and_match_stock(moe_dir, kernel_path, fused_calls, checkpointing):
     model = _lora(moe_dir, checkpointing)
     row = _experts_row(model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_lora_b, relative_error
+from conftest import lane_cases, randomize_lora_b, relative_error
 from parity import assert_vlm_adapter_loads_in_peft, assert_vlm_generation_matches, count, graph_nodes
 from parity import assert_vlm_step_matches as _assert_step_matches
 from parity import stock_vlm as _stock
@@ -37,7 +37,7 @@ def batch(vlm_dir):
     return image_batch(AutoTokenizer.from_pretrained(vlm_dir), tiny_image_processor())
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload"]))
 def test_loss_and_lora_gradients_with_an_image_match_stock_peft(vlm_dir, batch, kernel_path, checkpointing):
     model = _ours(vlm_dir, checkpointing)
     _assert_step_matches(model, _stock(model, vlm_dir), batch)

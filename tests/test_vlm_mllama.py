@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_lora_b, save_tiny_llama
+from conftest import lane_cases, randomize_lora_b, save_tiny_llama
 from parity import (
     assert_vlm_adapter_loads_in_peft,
     assert_vlm_generation_matches,
@@ -56,7 +56,7 @@ def _assert_step_matches(model, stock, batch, required=".cross_attn.k_proj.") ->
     assert_vlm_step_matches(model, stock, batch, required)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload"]))
 def test_loss_and_lora_gradients_with_an_image_match_stock_peft(vlm_dir, batch, kernel_path, checkpointing):
     model = _ours(vlm_dir, checkpointing)
     _assert_step_matches(model, _stock(model, vlm_dir), batch)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import randomize_lora_b
+from conftest import lane_cases, randomize_lora_b
 from parity import assert_vlm_adapter_loads_in_peft, assert_vlm_generation_matches, count, graph_nodes
 from parity import assert_vlm_step_matches as _assert_step_matches
 from parity import stock_vlm as _stock
@@ -63,7 +63,7 @@ def _deepstack_calls(model) -> list[dict]:
 
 
 @family
-@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize("checkpointing", lane_cases([True, False, "offload"]))
 def test_loss_and_lora_gradients_with_an_image_match_stock_peft(vlm_dir, batch, kernel_path, checkpointing):
     model = _ours(vlm_dir, checkpointing)
     calls = _deepstack_calls(model)
