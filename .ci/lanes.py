@@ -15,6 +15,7 @@ lines set environment variables for its install (``llamacpp``: the CMake flags o
     python .ci/lanes.py --build-only            # build only (other tools then use .lanes/<lane>/bin/python)
     python .ci/lanes.py --list                  # the lanes, their pins and whether their venv is current
     python .ci/lanes.py --jobs 2 --skip-main-set  # CI: two lanes at a time, none that repeats the main run
+    python .ci/lanes.py --build-only --skip newest  # CI, beside the main run: build the other lanes meanwhile
 
 Standard library only, so it runs before anything is installed.
 """
@@ -514,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line entry point; returns the process exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--lane", action="append", help="run only this lane (repeatable); default: all")
+    parser.add_argument("--skip", action="append", default=[], help="leave this lane out (repeatable)")
     parser.add_argument("--build-only", action="store_true", help="build or reuse the venvs, run no tests")
     parser.add_argument("--list", action="store_true", help="list the lanes and their venvs' state, then exit")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the venvs even when their stamp matches")
@@ -540,6 +542,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown lane {', '.join(unknown)}; lanes are {', '.join(known)}")
         lanes = [known[name] for name in args.lane]
+    names = [lane.name for lane in all_lanes()]
+    unknown = [name for name in args.skip if name not in names]
+    if unknown:
+        parser.error(f"--skip names unknown lane {', '.join(unknown)}; lanes are {', '.join(names)}")
+    lanes = [lane for lane in lanes if lane.name not in args.skip]
     if args.list:
         list_lanes(lanes)
         return 0
