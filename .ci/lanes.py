@@ -57,6 +57,7 @@ EXTRA_REQUIREMENTS = (
     "packaging>=23",
     "gguf>=0.19",
     "pytest>=8",
+    "pytest-xdist>=3.6",
     "nbclient>=0.10",
     "nbformat>=5.10",
     "ipykernel>=6.29",
