@@ -15,26 +15,21 @@ import pytest
 FASTFT = [sys.executable, "-m", "fastft.cli"]
 
 
-def _env(reference_kernels: bool = True, one_thread: bool = False) -> dict[str, str]:
+def _env(reference_kernels: bool = True) -> dict[str, str]:
+    # One torch thread comes from tests/conftest.py (OMP_NUM_THREADS=1 for the session and what it starts).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if reference_kernels:
         # Training through Triton's interpreter would take minutes a step; the kernels are checked elsewhere.
         env["FASTFT_DISABLE_TRITON"] = "1"
     else:
         env.pop("FASTFT_DISABLE_TRITON", None)
-    if one_thread:
-        # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads spin-wait on each other
-        # (a DPO step of the embedded model measured 28 s on two threads, 2-4 s on one).
-        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def _run(
-    args: list[str], tmp_path: Path, reference_kernels: bool = True, one_thread: bool = False, **kwargs
-) -> subprocess.CompletedProcess:
+def _run(args: list[str], tmp_path: Path, reference_kernels: bool = True, **kwargs) -> subprocess.CompletedProcess:
     # Run outside the checkout: `python -m` puts the working directory on sys.path, and the repository's
     # kernels/ folder would then pose as the PyPI package `kernels` that bitsandbytes and transformers import.
-    env = _env(reference_kernels, one_thread)
+    env = _env(reference_kernels)
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, **kwargs)
 
 
@@ -186,7 +181,7 @@ def test_train_bad_columns_are_named_before_the_model_loads(tmp_path):
         "--output",
         str(tmp_path / "o"),
     ]
-    result = _run([*command, "--data", str(data)], tmp_path, one_thread=True, timeout=600)
+    result = _run([*command, "--data", str(data)], tmp_path, timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"error: fastft train: {data} has the columns ['bad', 'good', 'question']" in result.stderr
     assert "--method dpo needs 'prompt', 'chosen', 'rejected'" in result.stderr
@@ -213,7 +208,7 @@ def test_train_dpo_killed_and_resumed_on_the_demo_preferences(tiny_llama_dir, tm
     output = tmp_path / "run"
     steps = 12
     command = [*_train_command(tiny_llama_dir, output, steps), "--method", "dpo"]
-    env = _env(one_thread=True)
+    env = _env()
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     _wait_for_complete_checkpoint(output, first)
     first.send_signal(signal.SIGKILL)
@@ -221,7 +216,7 @@ def test_train_dpo_killed_and_resumed_on_the_demo_preferences(tiny_llama_dir, tm
     assert first.returncode == -signal.SIGKILL, "the first run must be killed mid-way, not finish"
     assert "it/s" in first_log or "s/it" in first_log, "training shows a progress bar"
 
-    resumed = _run([*command, "--resume"], tmp_path, one_thread=True, timeout=900)
+    resumed = _run([*command, "--resume"], tmp_path, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     metrics = _assert_preference_run(output, "dpo", steps)
     assert metrics["resumed_from"] is not None
@@ -241,7 +236,7 @@ def test_train_kto_and_grpo_on_the_demo_preferences(tiny_llama_dir, tmp_path, me
     output = tmp_path / "run"
     steps = 4
     command = [*_train_command(tiny_llama_dir, output, steps), "--method", method, "--save-steps", "2", *extra]
-    result = _run(command, tmp_path, one_thread=True, timeout=900)
+    result = _run(command, tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _assert_preference_run(output, method, steps)
     assert (output / f"checkpoint-{steps}" / "trainer_state.json").exists()
@@ -275,7 +270,7 @@ def test_dpo_on_the_embedded_model_raises_the_reward_margin(tmp_path):
         "--save-steps",
         "8",
     ]
-    result = _run(command, tmp_path, one_thread=True, timeout=900)
+    result = _run(command, tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _assert_preference_run(output, "dpo", steps)
     margins = [row["rewards/margins"] for row in metrics["steps"]]
@@ -291,7 +286,7 @@ def test_train_compile_reports_its_compile_time(tiny_llama_dir, tmp_path):
     """`fastft train --compile`: the decoder layers compiled regionally, the seconds spent compiling in metrics.json
     and in the closing line."""
     output = tmp_path / "compiled"
-    done = _run([*_train_command(tiny_llama_dir, output, 2), "--compile"], tmp_path, one_thread=True, timeout=900)
+    done = _run([*_train_command(tiny_llama_dir, output, 2), "--compile"], tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["options"]["compile"] is True
