@@ -272,3 +272,36 @@ def test_the_axolotl_lane_installs_axolotl_without_its_pins_and_runs_its_marker(
     path.write_text("# lane: bad\n# no-deps: axolotl>=0.19\n")
     with pytest.raises(lanes.LaneError, match=r"bad.txt:2: '# no-deps:' takes an exact pin name==version"):
         lanes.read_lane(path)
+
+
+def test_lanes_run_at_a_time_start_longest_first(lanes, tmp_path, monkeypatch):
+    """Each lane file says how long its tests took in CI; with two at a time the longest start first, so the longest
+    lane does not start last while the other worker idles. The summary keeps the lanes' own order."""
+    # Every lane CI tests: all but newest, the main run's own set, which .ci/run skips (--skip-main-set).
+    durations = {lane.name: lane.test_seconds for lane in lanes.all_lanes() if lane.name != "newest"}
+    assert all(seconds > 0 for seconds in durations.values()), durations
+    pins = ["transformers==5.24.0", "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2", "accelerate==1.15.0"]
+    path = tmp_path / "mine.txt"
+    path.write_text("\n".join(["# lane: mine", "# test-seconds: 12.5", *pins, "datasets==5.2.0"]))
+    assert lanes.read_lane(path).test_seconds == 12.5
+    # A new timing changes no dependency: the venv it was built into stays current.
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
+    timed = lanes._stamps(lanes.read_lane(path), wheel)
+    path.write_text(path.read_text().replace("# test-seconds: 12.5\n", ""))
+    assert lanes._stamps(lanes.read_lane(path), wheel) == timed
+    path.write_text(path.read_text().replace("datasets==5.2.0", "datasets==5.1.0"))
+    assert lanes._stamps(lanes.read_lane(path), wheel)["dependencies"] != timed["dependencies"]
+    path.write_text("\n".join(["# lane: mine", "# test-seconds: ten", *pins, "datasets==5.2.0"]))
+    with pytest.raises(lanes.LaneError, match=r"mine.txt:2: '# test-seconds:' takes a number, found 'ten'"):
+        lanes.read_lane(path)
+
+    chosen = [lanes.Lane(name, path, {}, test_seconds=seconds) for name, seconds in [("a", 5), ("b", 50), ("c", 20)]]
+    started = []
+    monkeypatch.setattr(lanes, "build_lane", lambda lane, installer, rebuild: lanes.Outcome(lane, "reused"))
+    monkeypatch.setattr(lanes, "run_lane_tests", lambda outcome, args, log=None: started.append(outcome.lane.name))
+    outcomes = lanes.run_lanes(chosen, "pip", False, [], jobs=1)
+    assert started == ["a", "b", "c"]  # one at a time: the lanes' own order
+    started.clear()
+    outcomes = lanes.run_lanes(chosen, "pip", False, [], jobs=2)
+    assert started[0] == "b" and sorted(started) == ["a", "b", "c"]
+    assert [outcome.lane.name for outcome in outcomes] == ["a", "b", "c"]
