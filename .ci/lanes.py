@@ -500,7 +500,7 @@ def run_lanes(lanes: list[Lane], installer: str, rebuild: bool, pytest_args: lis
             run_lane_tests(outcome, pytest_args)
         return outcomes
     # Longest first (by each lane's '# test-seconds:'), so the longest lane does not start last while the other
-    # worker idles: with two at a time that took CI's lanes from 1,436 s to about 1,260 s.
+    # worker idles (with two at a time, the lanes' order had left early-5x alone at the end).
     ready = sorted(ready, key=lambda outcome: -outcome.lane.test_seconds)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(lambda o: run_lane_tests(o, pytest_args, o.lane.venv / "last-run.log"), ready))
