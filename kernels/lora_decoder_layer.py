@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.kernels.custom_ops import direct_apply
 from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_math import cast_groups
 from fastft.kernels.lora_mlp import LoRAMLP, mlp_backward, mlp_forward
 from fastft.kernels.lora_projection import autocast_off
 from fastft.kernels.lora_qkv_rope import qkv_rope_backward, qkv_rope_forward
@@ -52,17 +53,30 @@ class DecoderLayerSpec:
         head_dim: The attention's head_dim.
     """
 
-    __slots__ = ("head_dim", "input_eps", "mlp", "o", "post_eps", "qkv", "sizes")
+    __slots__ = ("head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
 
     def __init__(self, qkv: LoRAGroup, o: LoRAGroup, mlp: LoRAMLP, input_eps: float, post_eps: float, head_dim: int):
         self.qkv, self.o, self.mlp = qkv, o, mlp
         self.input_eps, self.post_eps, self.head_dim = float(input_eps), float(post_eps), int(head_dim)
         # How many adapter tensors each part takes, in adapters() order.
         self.sizes = (len(qkv._adapters), len(o._adapters), len(mlp._adapters))
+        # Where each group's A's and B's sit among them: (start of the A's, start of the B's, count) per group.
+        gate_up, down = mlp.gate_up._lora_count, mlp.down._lora_count
+        start, cuts = 0, []
+        for count in (qkv._lora_count, o._lora_count):
+            cuts.append((start, start + count, count))
+            start += 2 * count
+        cuts.append((start, start + gate_up + down, gate_up))
+        cuts.append((start + gate_up, start + 2 * gate_up + down, down))
+        self.lora_cuts = tuple(cuts)
 
     def adapters(self) -> tuple[torch.Tensor, ...]:
         """Every A and B of the layer: the q / k / v group's, o's, then the MLP's (each part as it orders them)."""
         return self.qkv._adapters + self.o._adapters + self.mlp._adapters
+
+    def lora_groups(self, adapters: Sequence[torch.Tensor]) -> list[tuple[Sequence[Any], Sequence[Any]]]:
+        """``(A's, B's)`` of the q / k / v, o, gate / up and down groups, from :meth:`adapters`' tuple."""
+        return [(adapters[a : a + n], adapters[b : b + n]) for a, b, n in self.lora_cuts]
 
     def split(self, adapters: Sequence[torch.Tensor]) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any]]:
         qkv, o, _ = self.sizes
@@ -88,13 +102,16 @@ def _forward(
     batch, seq, hidden = x.shape
     x2d = x.reshape(-1, hidden)
     qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
-    casts: tuple[dict[str, Any], ...] | None = ({}, {}, ({}, {})) if ctx is not None else None
+    casts: tuple[Any, ...] = ({}, {}, ({}, {}))
 
     normed, input_rstd = rms_norm_forward(x2d, input_weight, spec.input_eps, 0.0, True)
     group_in = normed if dtype is None else normed.to(dtype)
+    # peft's fp32 adapters over a 16-bit base: all four groups' casts in one copy (a group whose input turns out to
+    # be of another dtype casts its own).
+    cast_groups(spec.lora_groups(adapters), group_in.dtype, (casts[0], casts[1], *casts[2]))
     with _autocast_off(x, dtype):
         query, key, value, xa_qkv = qkv_rope_forward(
-            spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts and casts[0]
+            spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts[0]
         )
     if ctx is None:
         attention = attend(query, key, value)
@@ -109,13 +126,13 @@ def _forward(
     attention2d = attention.reshape(batch * seq, -1)
     o_in = attention2d if dtype is None else attention2d.to(dtype)
     with _autocast_off(x, dtype):
-        (o_out,), xa_o = spec.o.forward_math(o_in, o_adapters, casts and casts[1])
+        (o_out,), xa_o = spec.o.forward_math(o_in, o_adapters, casts[1])
     hidden_states = x2d + o_out
 
     post_normed, post_rstd = rms_norm_forward(hidden_states, post_weight, spec.post_eps, 0.0, True)
     mlp_in = post_normed if dtype is None else post_normed.to(dtype)
     with _autocast_off(x, dtype):
-        mlp_out, mlp_saved = mlp_forward(spec.mlp, mlp_in, mlp_adapters, casts[2] if casts else ({}, {}))
+        mlp_out, mlp_saved = mlp_forward(spec.mlp, mlp_in, mlp_adapters, casts[2])
     out = hidden_states + mlp_out
 
     if ctx is not None:
@@ -268,6 +285,10 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
         half = mlp_count // 2
         mlp_needs = [mlp_flags[j] or mlp_flags[half + j] for j in range(half)]
         qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
+        # The LoRA gradients of all four groups that need a cast (fp32 adapters) are cast together at the end.
+        deferred: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for casts in (qkv_casts, o_casts, *mlp_casts):
+            casts["grads"] = deferred
 
         grad2d = grad.reshape(-1, hidden)
         grad_mlp_in, mlp_a, mlp_b = mlp_backward(
@@ -326,6 +347,9 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
             )
         if needs[0]:
             grad_x = (grad_x if fold else grad_x + grad_hidden).view(batch, seq, hidden)
+        sources, targets = deferred
+        if sources:
+            torch._foreach_copy_(targets, sources)
         return (
             grad_x,
             None,

@@ -8,7 +8,8 @@ For every segment ``i`` of a group (q, k, v; gate, up; o; down) with frozen base
     dA_i = s_i (dY_i B_i)ᵀ X
     dB_i = s_i dY_iᵀ (X A_iᵀ)
 
-Forward runs one small GEMM for every segment's ``X Aᵀ`` at once (the A's stacked, cast at most once), then the base
+Forward runs one small GEMM for every segment's ``X Aᵀ`` at once (the A's stacked; where they and the B's need a
+cast, one ``_foreach_copy_`` stacks and casts them all: :func:`cast_adapters`), then the base
 GEMM with the LoRA term: torch's matmul (cuBLAS; the bias through ``addmm``, the low-rank term added in place with
 ``addmm_(alpha=s)``) or the fused Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever
 :func:`fastft.kernels.gemm_tuner.choose` picked. The pick is memoised in the group's :class:`Spec` under
@@ -247,24 +248,90 @@ def forward(
     ``casts``: where an eager node keeps the adapters it cast (peft keeps A and B in fp32 over a bf16 base) for its
     own backward, which then casts nothing: one cast per adapter per step instead of one in forward and one again in
     backward. Only between the two halves of one node: across steps an optimizer may write the weights without
-    telling autograd (bitsandbytes' 8-bit optimizers do), so no cast outlives its node."""
+    telling autograd (bitsandbytes' 8-bit optimizers do), so no cast outlives its node. Casts already there (a
+    node holding several groups cast them all at once: :func:`cast_groups`) are used as they are; ``casts["grads"]``
+    (``(sources, targets)`` lists), where present, takes the LoRA gradients' casts for that node to do at once."""
     dtype = x2d.dtype
     xa = None
     if spec.lora:
-        stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
-        if stacked.dtype != dtype:
-            stacked = stacked.to(dtype)
+        done = None if casts is None else casts.get("a")
+        if done is not None and done.dtype == dtype:
+            # Cast ahead by the node that holds this group (cast_groups: one copy for all its groups).
+            stacked, lora_b = done, casts["b"]
+        elif any(a.dtype != dtype for a in lora_a) or any(b.dtype != dtype for b in lora_b):
+            stacked, lora_b = cast_adapters(lora_a, lora_b, dtype)
             if casts is not None:
-                casts["a"] = stacked
+                casts["a"], casts["b"] = stacked, lora_b
+        else:
+            stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
         xa = torch.mm(x2d, stacked.t())
-        if any(b.dtype != dtype for b in lora_b):
-            lora_b = [b if b.dtype == dtype else b.to(dtype) for b in lora_b]
-            if casts is not None:
-                casts["b"] = lora_b
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
     return run(candidate, spec, x2d, weights, quant_states, xa, lora_b, biases), xa
+
+
+def cast_adapters(
+    lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``([A_0; A_1; …], [B_j])`` in ``dtype``: the A's stacked row-wise into one new tensor, each B of another dtype
+    copied into a new one (a B already in ``dtype`` is used as it is).
+
+    One ``_foreach_copy_`` does every cast of the group: on CUDA a single multi-tensor launch (casting as it copies)
+    where peft's fp32 adapters meet a bf16 / fp16 base, instead of a cat, a cast of the stack and one cast per B
+    (five launches for q, k, v), every step."""
+    sources: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    cast = _cast_targets(lora_a, lora_b, dtype, sources, targets)
+    torch._foreach_copy_(targets, sources)
+    return cast
+
+
+def cast_groups(
+    groups: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+    dtype: torch.dtype,
+    casts: Sequence[dict[str, Any]],
+) -> None:
+    """:func:`cast_adapters` for several groups (``(lora_a, lora_b)`` each) with one copy for all of them: fills each
+    group's ``casts`` (``"a"``, ``"b"``), which :func:`forward` then uses. Nothing where no adapter needs a cast.
+
+    A node that runs several groups (a whole decoder layer) calls it once, so its adapters cost one launch a step."""
+    if all(t.dtype == dtype for lora_a, lora_b in groups for t in (*lora_a, *lora_b)):
+        return
+    sources: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    for (lora_a, lora_b), cast in zip(groups, casts, strict=True):
+        if lora_a:
+            cast["a"], cast["b"] = _cast_targets(lora_a, lora_b, dtype, sources, targets)
+    torch._foreach_copy_(targets, sources)
+
+
+def _cast_targets(
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    # The new tensors a cast of one group writes (still empty), their sources and targets appended for one copy.
+    first = lora_a[0]
+    if len(lora_a) == 1:
+        stacked = torch.empty(first.shape, dtype=dtype, device=first.device)
+        targets.append(stacked)
+    else:
+        rows = [a.shape[0] for a in lora_a]
+        stacked = torch.empty((sum(rows), first.shape[1]), dtype=dtype, device=first.device)
+        targets.extend(stacked.split(rows))
+    sources.extend(lora_a)
+    cast_b = []
+    for b in lora_b:
+        if b.dtype != dtype:
+            target = torch.empty_like(b, dtype=dtype)
+            sources.append(b)
+            targets.append(target)
+            b = target
+        cast_b.append(b)
+    return stacked, cast_b
 
 
 def _per_segment(spec: Spec, lora_b: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -330,13 +397,21 @@ class PendingLoRAGrads:
     kernel) can hand it in later; :attr:`needs_x` says whether it is wanted at all.
     """
 
-    __slots__ = ("_entries", "_lora_a", "_lora_b", "_cast_b", "needs_x")
+    __slots__ = ("_entries", "_lora_a", "_lora_b", "_cast_b", "deferred", "needs_x")
 
-    def __init__(self, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        lora_a: Sequence[torch.Tensor],
+        lora_b: Sequence[torch.Tensor],
+        deferred: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> None:
         # Per LoRA segment, in the order backward returns them: (j,) (no gradient wanted), (j, None) (zeros) or
         # (j, dyb, grad, xa_i, scale).
         self._entries: list[tuple[Any, ...]] = []
         self._lora_a, self._lora_b = lora_a, lora_b
+        # (sources, targets) of the gradient casts a caller does itself, for several groups at once (the casts'
+        # "grads"); None: finish does this group's.
+        self.deferred = deferred
         self.needs_x = False
 
     def finish(self, x2d: torch.Tensor | None) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -344,6 +419,8 @@ class PendingLoRAGrads:
         grad_a: list[torch.Tensor | None] = []
         grad_b: list[torch.Tensor | None] = []
         zero = None if x2d is None else _zero(x2d)
+        # Gradients computed in x's dtype for parameters of another (peft's fp32 adapters): cast together at the end.
+        sources, targets = ([], []) if self.deferred is None else self.deferred
         for entry in self._entries:
             a, b = self._lora_a[entry[0]], self._lora_b[entry[0]]
             if len(entry) == 1:
@@ -356,8 +433,14 @@ class PendingLoRAGrads:
                 _, dyb, grad, xa_i, scale = entry
                 da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
                 db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
-                grad_a.append(da if da.dtype == a.dtype else da.to(a.dtype))
-                grad_b.append(db if db.dtype == b.dtype else db.to(b.dtype))
+                for grads, found, parameter in ((grad_a, da, a), (grad_b, db, b)):
+                    if found.dtype != parameter.dtype:
+                        sources.append(found)
+                        found = torch.empty_like(found, dtype=parameter.dtype)
+                        targets.append(found)
+                    grads.append(found)
+        if sources and self.deferred is None:
+            torch._foreach_copy_(targets, sources)
         self._entries = []
         return grad_a, grad_b
 
@@ -401,7 +484,7 @@ def backward_input(
             grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
         if grad_x is None:
             grad_x = torch.zeros(x_like.shape, dtype=dtype, device=x_like.device)
-    pending = PendingLoRAGrads(lora_a, lora_b)
+    pending = PendingLoRAGrads(lora_a, lora_b, None if casts is None else casts.get("grads"))
     if not spec.lora:
         return grad_x, pending
 
@@ -434,6 +517,8 @@ def backward_input(
 __all__ = [
     "PendingLoRAGrads",
     "backward_input",
+    "cast_adapters",
+    "cast_groups",
     "LAYOUT_FIELDS",
     "Spec",
     "backward",

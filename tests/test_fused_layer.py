@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import count, graph_nodes, lora_model, make_batch, save_family
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastft.patches.fused_layer import upstream_layer_forward
 
@@ -134,3 +135,48 @@ def test_the_class_changes_forward_only_and_keeps_transformers_checkpoint_wrappe
     # transformers >= 5.23 checkpoints in a wrapper around every subclass's forward: fastft's checkpointer still
     # receives the call (use_gradient_checkpointing=True ran above through the same class).
     assert "forward" not in vars(layer)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts ``_foreach_copy_`` calls and single casts of tensors shaped like an adapter (or a stack of A's)."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes, self.batched, self.single = shapes, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.batched += 1
+        elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.single += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_layer_casts_its_fp32_adapters_with_one_copy_each_way(smol_tokenizer, tmp_path, checkpointing):
+    # peft keeps A and B in fp32 over a bf16 base: the layer's node casts all 14 with one _foreach_copy_ (one launch on
+    # CUDA) in every forward, recompute's included, and its 14 LoRA gradients back with one in backward; the numbers
+    # are the per-module nodes' (which cast group by group), bit for bit.
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    fused = lora_model(folder, patch=True, checkpointing=checkpointing, dtype=torch.bfloat16)
+    separate = lora_model(folder, patch=True, checkpointing=checkpointing, dtype=torch.bfloat16)
+    _per_module(separate)
+    adapters = [p for name, p in fused.named_parameters() if "lora_" in name]
+    assert adapters and {p.dtype for p in adapters} == {torch.float32}
+    assert fused.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    hidden, ranks = fused.config.hidden_size, {p.shape[0] for name, p in fused.named_parameters() if "lora_A" in name}
+    shapes = {tuple(p.shape) for p in adapters} | {(n * rank, hidden) for rank in ranks for n in (2, 3)}
+    batch = make_batch(fused.config.vocab_size, batch=2, seq=7, pad=2)
+    layers = len(_layers(fused))
+
+    fused.zero_grad(set_to_none=True)
+    with _Copies(shapes) as forward:
+        loss = fused(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    with _Copies(shapes) as backward:
+        loss.backward()
+    assert (forward.batched, forward.single) == (layers, 0)
+    # Recompute runs each layer's forward again inside backward: one more copy for it.
+    assert (backward.batched, backward.single) == ((2 if checkpointing else 1) * layers, 0)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
+    _assert_same(fused, separate, batch)

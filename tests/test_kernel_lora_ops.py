@@ -614,3 +614,77 @@ def test_backward_reuses_the_adapter_casts_of_its_forward(kind, gen):
             loss.backward()
     assert AdapterCasts.count == 0
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["qkv", "mlp"])
+def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
+    """fp32 adapters over a 16-bit base: a group's forward stacks and casts all its A's and B's with one
+    ``_foreach_copy_`` (one launch on CUDA, not a cat and a cast per tensor), and its backward casts all its LoRA
+    gradients back to fp32 with one more; the values are exactly those of casting each tensor on its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastft.kernels import LoRAGroup, LoRAMLP, LoRAWeights, dispatch
+
+    def projection(out_features, in_features):
+        return LoRAWeights(
+            random_tensor((out_features, in_features), torch.float16, gen, 0.1),
+            random_tensor((4, in_features), torch.float32, gen, 0.1).requires_grad_(True),
+            random_tensor((out_features, 4), torch.float32, gen, 0.1).requires_grad_(True),
+            2.0,
+        )
+
+    if kind == "qkv":
+        projections = [projection(32, 32), projection(16, 32), projection(16, 32)]
+        run = LoRAGroup("lora_qkv", ("q_proj", "k_proj", "v_proj"), projections, "qkv")
+        groups = 1
+    else:
+        projections = [projection(48, 32), projection(48, 32), projection(32, 48)]
+        run = LoRAMLP.from_projections(projections)
+        groups = 2
+    adapters = [t for p in projections for t in (p.lora_a, p.lora_b)]
+    # Any cast of an adapter, of the stacked A's (q, k, v: 12 rows; gate, up: 8) or of a LoRA gradient.
+    shapes = {tuple(t.shape) for t in adapters} | {(12, 32), (8, 32)}
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.batched = 0
+            self.single = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._foreach_copy_.default:
+                self.batched += 1
+            elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
+                self.single += 1
+            return func(*args, **kwargs)
+
+    x = random_tensor((2, 5, 32), torch.float16, gen).requires_grad_(True)
+    with dispatch.force_reference():
+        with Copies() as forward:
+            out = run(x)
+        # An fp16 loss: no cast of its own in the backward counted below.
+        loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
+        with Copies() as backward:
+            grads = torch.autograd.grad(loss, [x, *adapters])
+    assert (forward.batched, forward.single) == (groups, 0)
+    assert (backward.batched, backward.single) == (groups, 0)
+    assert all(g.dtype == torch.float32 and g.shape == a.shape for g, a in zip(grads[1:], adapters, strict=True))
+
+    # The same node with every adapter already in fp16 casts nothing; its gradients, cast one by one, are the above.
+    half = [
+        LoRAWeights(p.weight, p.lora_a.detach().half().requires_grad_(), p.lora_b.detach().half().requires_grad_(), 2.0)
+        for p in projections
+    ]
+    if kind == "qkv":
+        twin = LoRAGroup("lora_qkv", ("q_proj", "k_proj", "v_proj"), half, "qkv")
+    else:
+        twin = LoRAMLP.from_projections(half)
+    half_adapters = [t for p in half for t in (p.lora_a, p.lora_b)]
+    with dispatch.force_reference():
+        out = twin(x)
+        loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
+        want = torch.autograd.grad(loss, [x, *half_adapters])
+    assert torch.equal(grads[0], want[0])
+    for got, expected in zip(grads[1:], want[1:], strict=True):
+        assert torch.equal(got, expected.float())
