@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from fastft.kernels import lora_math, lora_op_args
+from fastft.kernels import lora_backward, lora_math, lora_op_args
 from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
@@ -264,12 +264,12 @@ class LoRAGroup:
         first: int,
         casts: dict[str, Any] | None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """:func:`lora_math.backward <fastft.kernels.lora_math.backward>` for the node that ran
+        """:func:`lora_backward.backward <fastft.kernels.lora_backward.backward>` for the node that ran
         :meth:`forward_math`: ``needs`` is its ``ctx.needs_input_grad`` (x first) and ``first`` the position of
         the first A among its inputs."""
         count = self._lora_count
         needs_lora = [needs[first + j] or needs[first + count + j] for j in range(count)]
-        return lora_math.backward(
+        return lora_backward.backward(
             self._spec,
             x2d,
             xa,
@@ -358,7 +358,7 @@ def _lora_group_backward(
 ) -> list[torch.Tensor]:
     spec = lora_op_args.op_spec(group, layout, scales)
     x2d = x.reshape(-1, x.shape[-1])
-    grad_x, grad_a, grad_b = lora_math.backward(
+    grad_x, grad_a, grad_b = lora_backward.backward(
         spec,
         x2d,
         xa,

@@ -14,9 +14,8 @@ GEMM with the LoRA term: torch's matmul (cuBLAS; the bias through ``addmm``, the
 ``addmm_(alpha=s)``) or the fused Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever
 :func:`fastft.kernels.gemm_tuner.choose` picked. The pick is memoised in the group's :class:`Spec` under
 :func:`fastft.kernels.gemm_tuner.plan_key`, so the tuner (which builds a bucket, reads the environment and records the
-choice for ``patch_report``) runs only when that key is new. Backward gathers every ``dX`` contribution in one buffer
-with ``addmm_``; ``dA`` and ``dB`` are one ``addmm`` each with the scale as its ``alpha`` (``beta=0`` over a cached
-zero scalar: no separate scaling pass). Only ``X`` and the small ``X Aᵀ`` are kept for backward, never ``Y``.
+choice for ``patch_report``) runs only when that key is new. Only ``X`` and the small ``X Aᵀ`` are kept for backward,
+never ``Y``; the backward math is :mod:`fastft.kernels.lora_backward`.
 
 The functions take tensors as lists, so the same code serves the eager Function (tensors held by the
 :class:`~fastft.kernels.lora_group.LoRAGroup`) and the custom ops (tensors as op arguments, each NF4 quant_state
@@ -63,14 +62,18 @@ class Spec:
         lora: Indices of the segments with LoRA (their A's and B's are the ``lora_a`` / ``lora_b`` lists).
         packed: Whether each segment's base is NF4.
         plans: ``gemm_tuner.plan_key(x) -> Candidate``, filled by :func:`forward`.
+        lora_rows: The LoRA segments' ranks (the row blocks of the stacked A's).
+        grouped_scale: The one scale of a group's two or more adapters, or None (one adapter, or several scales).
     """
 
     __slots__ = (
         "all_packed",
         "any_packed",
         "group",
+        "grouped_scale",
         "in_features",
         "lora",
+        "lora_rows",
         "packed",
         "plans",
         "ranks",
@@ -98,6 +101,11 @@ class Spec:
         self.any_packed = any(self.packed)
         self.all_packed = all(self.packed)
         self.plans: dict[tuple, Candidate] = {}
+        self.lora_rows = tuple(self.ranks[i] for i in self.lora)
+        # Two or more adapters with one scale (q, k, v or gate, up as peft makes them): backward can then treat
+        # their stacked dY B like one adapter of rank Σ r (lora_backward), one GEMM where it took one per adapter.
+        scales = {self.scales[i] for i in self.lora}
+        self.grouped_scale = scales.pop() if len(self.lora) > 1 and len(scales) == 1 else None
         # Per segment (index, its adapter's position or -1, its columns of X Aᵀ, scale): the loops' fixed part.
         starts, start = {}, 0
         for i in self.lora:
@@ -131,8 +139,8 @@ def spec_of(group: str, projections: Sequence[LoRAWeights]) -> Spec:
 _zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    # The ``input`` of a beta=0 addmm: never read, broadcast to any shape; one per device and dtype.
+def unread_zero(like: torch.Tensor) -> torch.Tensor:
+    """The ``input`` of a ``beta=0`` addmm: never read, broadcast to any shape; one per device and dtype."""
     key = (like.device, like.dtype)
     zero = _zeros.get(key)
     if zero is None:
@@ -164,7 +172,8 @@ def dense_bases(
     return dense
 
 
-def _shapes(spec: Spec, segments: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def segment_shapes(spec: Spec, segments: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """``(out, in)`` of every segment of the group, or of ``segments``."""
     indices = range(len(spec.widths)) if segments is None else segments
     return [(spec.widths[i], spec.in_features[i]) for i in indices]
 
@@ -183,7 +192,7 @@ def run(
     dtype."""
     if candidate.path == "cublas":
         if spec.any_packed:
-            weights = dense_bases(weights, quant_states, _shapes(spec), x2d.dtype)
+            weights = dense_bases(weights, quant_states, segment_shapes(spec), x2d.dtype)
         return _dense(spec, x2d, weights, xa, lora_b, biases)
     # The Triton kernels take a B per segment (None without LoRA), contiguous B's and biases; contiguous() is free on
     # those that already are.
@@ -191,7 +200,7 @@ def run(
     biases = None if biases is None else [None if b is None else b.contiguous() for b in biases]
     if candidate.path == "triton-nf4":
         return lora_gemm_nf4_triton(x2d, weights, quant_states, xa, lora_b, spec.scales, candidate.config, biases)
-    dense = [w.contiguous() for w in dense_bases(weights, quant_states, _shapes(spec), x2d.dtype)]
+    dense = [w.contiguous() for w in dense_bases(weights, quant_states, segment_shapes(spec), x2d.dtype)]
     return lora_gemm_triton(x2d, dense, xa, lora_b, spec.scales, candidate.config, biases)
 
 
@@ -264,6 +273,9 @@ def forward(
                 casts["a"], casts["b"] = stacked, lora_b
         else:
             stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
+            if casts is not None:
+                # Backward's grouped dX reads the same stack.
+                casts["a"], casts["b"] = stacked, lora_b
         xa = torch.mm(x2d, stacked.t())
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
@@ -363,168 +375,16 @@ def _dense(
     return outputs
 
 
-def backward(
-    spec: Spec,
-    x2d: torch.Tensor,
-    xa: torch.Tensor | None,
-    weights: Sequence[torch.Tensor],
-    quant_states: Sequence[Any],
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    needs_x: bool,
-    needs_lora: Sequence[bool],
-    casts: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """Backward of one group: ``(dX [M, K] or None, [dA_j], [dB_j])`` over the LoRA segments, each LoRA gradient in
-    its parameter's dtype (None where ``needs_lora[j]`` is False). ``casts``: what this node's forward cast.
-
-    ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
-    segment without one gets zero gradients.
-    """
-    grad_x, pending = backward_input(
-        spec, x2d, xa, weights, quant_states, lora_a, lora_b, grads, needs_x, needs_lora, casts
-    )
-    grad_a, grad_b = pending.finish(x2d)
-    return grad_x, grad_a, grad_b
-
-
-class PendingLoRAGrads:
-    """The LoRA gradients of one group's backward that still need the group's input ``X``: ``dA_j = s (dY B)^T X``.
-
-    :func:`backward_input` computes everything that does not need ``X`` (``dX`` and each ``dY B``), so a caller
-    whose ``X`` is cheaper to rebuild after ``dX`` is known (the MLP's ``h``, rewritten by the gate's backward
-    kernel) can hand it in later; :attr:`needs_x` says whether it is wanted at all.
-    """
-
-    __slots__ = ("_entries", "_lora_a", "_lora_b", "_cast_b", "deferred", "needs_x")
-
-    def __init__(
-        self,
-        lora_a: Sequence[torch.Tensor],
-        lora_b: Sequence[torch.Tensor],
-        deferred: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-    ) -> None:
-        # Per LoRA segment, in the order backward returns them: (j,) (no gradient wanted), (j, None) (zeros) or
-        # (j, dyb, grad, xa_i, scale).
-        self._entries: list[tuple[Any, ...]] = []
-        self._lora_a, self._lora_b = lora_a, lora_b
-        # (sources, targets) of the gradient casts a caller does itself, for several groups at once (the casts'
-        # "grads"); None: finish does this group's.
-        self.deferred = deferred
-        self.needs_x = False
-
-    def finish(self, x2d: torch.Tensor | None) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """``([dA_j], [dB_j])`` given the group's input ``x2d`` [M, K] (None only when :attr:`needs_x` is False)."""
-        grad_a: list[torch.Tensor | None] = []
-        grad_b: list[torch.Tensor | None] = []
-        zero = None if x2d is None else _zero(x2d)
-        # Gradients computed in x's dtype for parameters of another (peft's fp32 adapters): cast together at the end.
-        sources, targets = ([], []) if self.deferred is None else self.deferred
-        for entry in self._entries:
-            a, b = self._lora_a[entry[0]], self._lora_b[entry[0]]
-            if len(entry) == 1:
-                grad_a.append(None)
-                grad_b.append(None)
-            elif len(entry) == 2:
-                grad_a.append(torch.zeros_like(a))
-                grad_b.append(torch.zeros_like(b))
-            else:
-                _, dyb, grad, xa_i, scale = entry
-                da = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
-                db = torch.addmm(zero, grad.t(), xa_i, beta=0, alpha=scale)
-                for grads, found, parameter in ((grad_a, da, a), (grad_b, db, b)):
-                    if found.dtype != parameter.dtype:
-                        sources.append(found)
-                        found = torch.empty_like(found, dtype=parameter.dtype)
-                        targets.append(found)
-                    grads.append(found)
-        if sources and self.deferred is None:
-            torch._foreach_copy_(targets, sources)
-        self._entries = []
-        return grad_a, grad_b
-
-
-def backward_input(
-    spec: Spec,
-    x_like: torch.Tensor,
-    xa: torch.Tensor | None,
-    weights: Sequence[torch.Tensor],
-    quant_states: Sequence[Any],
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    needs_x: bool,
-    needs_lora: Sequence[bool],
-    casts: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor | None, PendingLoRAGrads]:
-    """The part of :func:`backward` that does not read ``X``: ``(dX or None, the pending LoRA gradients)``.
-
-    ``x_like`` stands for ``X`` where only its shape, dtype and device are read (``X`` itself, or a tensor of its
-    shape); the gradients come from ``pending.finish(X)``.
-    """
-    dtype = x_like.dtype
-    flat = []
-    for g in grads:
-        if g is not None:
-            if g.dim() != 2:
-                g = g.reshape(-1, g.shape[-1])
-            if g.dtype != dtype:
-                g = g.to(dtype)
-        flat.append(g)
-    grad_x = None
-    if needs_x:
-        live = [i for i, g in enumerate(flat) if g is not None]
-        if spec.any_packed:
-            states = [quant_states[i] for i in live]
-            dense = dense_bases([weights[i] for i in live], states, _shapes(spec, live), dtype)
-        else:
-            dense = [weights[i] if weights[i].dtype == dtype else weights[i].to(dtype) for i in live]
-        for i, weight in zip(live, dense, strict=True):
-            grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
-        if grad_x is None:
-            grad_x = torch.zeros(x_like.shape, dtype=dtype, device=x_like.device)
-    pending = PendingLoRAGrads(lora_a, lora_b, None if casts is None else casts.get("grads"))
-    if not spec.lora:
-        return grad_x, pending
-
-    cast_a = None if casts is None else casts.get("a")
-    cast_b = None if casts is None else casts.get("b")
-    entries = pending._entries
-    for i, j, columns, scale in spec.segments:
-        if j < 0:
-            continue
-        a, b, grad, wants = lora_a[j], lora_b[j], flat[i], needs_lora[j]
-        if grad is None or not (wants or needs_x):
-            entries.append((j, None) if wants else (j,))
-            continue
-        xa_i = xa if columns is None else xa[:, columns]
-        b_in_dtype = b if cast_b is None else cast_b[j]
-        # dY B: the factor that dA and the low-rank part of dX share.
-        dyb = torch.mm(grad, b_in_dtype if b_in_dtype.dtype == dtype else b_in_dtype.to(dtype))
-        if wants:
-            entries.append((j, dyb, grad, xa_i, scale))
-            pending.needs_x = True
-        else:
-            entries.append((j,))
-        if needs_x:
-            if cast_a is not None:
-                a = cast_a if columns is None else cast_a[columns]
-            grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
-    return grad_x, pending
-
-
 __all__ = [
-    "PendingLoRAGrads",
-    "backward_input",
     "cast_adapters",
     "cast_groups",
     "LAYOUT_FIELDS",
     "Spec",
-    "backward",
     "dense_bases",
     "forward",
     "plan",
     "run",
+    "segment_shapes",
     "spec_of",
+    "unread_zero",
 ]

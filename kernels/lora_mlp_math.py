@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fastft.kernels import lora_math, lora_op_args
+from fastft.kernels import lora_backward, lora_math, lora_op_args
 from fastft.kernels.custom_ops import define, register_autograd
 from fastft.kernels.geglu import geglu_backward_, geglu_backward_with_hidden, geglu_forward
 from fastft.kernels.lora_math import LAYOUT_FIELDS, Spec
@@ -119,7 +119,7 @@ def backward(
     weights, states, lora_a, lora_b, _ = down_tensors
     # dH needs only dY; the down projection's dA needs H = act(gate) * up, which the gate's backward kernel writes
     # while it reads gate and up for their gradients, instead of a forward launch of its own before it.
-    grad_hidden, pending = lora_math.backward_input(
+    grad_hidden, pending = lora_backward.backward_input(
         down, gate, xa_down, weights, states, lora_a, lora_b, [grad], True, needs_lora[count:], down_casts
     )
     if pending.needs_x:
@@ -134,7 +134,7 @@ def backward(
     del hidden
     grads = [grad_gate, grad_up] if len(gate_up.widths) == 2 else [torch.cat([grad_gate, grad_up], dim=1)]
     weights, states, lora_a, lora_b, _ = gate_up_tensors
-    grad_x, grad_a, grad_b = lora_math.backward(
+    grad_x, grad_a, grad_b = lora_backward.backward(
         gate_up, x2d, xa_gate_up, weights, states, lora_a, lora_b, grads, needs_x, needs_lora[:count], gate_up_casts
     )
     return grad_x, grad_a + grad_a_down, grad_b + grad_b_down

@@ -191,6 +191,8 @@ QKV_CASES = {
     "qwen2-bias": ([(8, 2.0), (1, 0.5), (4, 1.5)], QWEN2_BIAS),
     # A biased launch with q unbiased (its bias loads masked off), k biased without an adapter, v with both.
     "mixed-bias": ([(4, 0.25), None, (2, 3.0)], (False, True, True)),
+    # One scale for all three (as peft makes them): backward takes them as one adapter of rank 8 + 1 + 4.
+    "one-scale": ([(8, 2.0), (1, 2.0), (4, 2.0)], NO_BIAS),
 }
 
 
@@ -240,6 +242,8 @@ MLP_CASES = {
     "up-without-lora": ([(2, 0.75), None, (1, 4.0)], NO_BIAS),
     # Llama's mlp_bias: gate and up biased before the SwiGLU, down after it.
     "mlp-bias": ([(4, 2.0), (1, 0.5), (8, 1.25)], (True, True, True)),
+    # gate and up of one scale: their backward is grouped; down's scale differs (a group of its own anyway).
+    "gate-up-one-scale": ([(4, 2.0), (1, 2.0), (8, 0.5)], NO_BIAS),
 }
 
 

@@ -688,3 +688,95 @@ def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
     assert torch.equal(grads[0], want[0])
     for got, expected in zip(grads[1:], want[1:], strict=True):
         assert torch.equal(got, expected.float())
+
+
+def _qkv_group(gen, scales, dtype=torch.float32):
+    # dtype: the base's (and x's); the adapters are fp32, as peft keeps them.
+    from fastft.kernels import LoRAGroup, LoRAWeights
+
+    projections = [
+        LoRAWeights(
+            random_tensor((out_features, 32), dtype, gen, 0.1),
+            random_tensor((rank, 32), torch.float32, gen, 0.1).requires_grad_(True),
+            random_tensor((out_features, rank), torch.float32, gen, 0.1).requires_grad_(True),
+            scale,
+        )
+        for out_features, rank, scale in zip((32, 16, 16), (4, 2, 3), scales, strict=True)
+    ]
+    return LoRAGroup("lora_qkv", ("q_proj", "k_proj", "v_proj"), projections, "qkv"), projections
+
+
+def _backward_gemms(group, projections, x):
+    """The backward's GEMM calls by aten op, and the gradients of x and of every A and B (None where not wanted)."""
+    from fastft.kernels import dispatch
+
+    class Gemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "mm" in func.__name__:
+                self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    adapters = [t for p in projections for t in (p.lora_a, p.lora_b)]
+    with dispatch.force_reference():
+        q, k, v = group(x)
+        loss = (q * 1.5).sum() + (k * 0.5).sum() + v.square().sum()
+        with Gemms() as gemms:
+            loss.backward()
+    return gemms.ops, [x.grad, *(t.grad for t in adapters)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_adapters_of_one_scale_take_one_gemm_for_dx_and_one_for_every_da(gen, dtype):
+    """q, k and v with one scale (peft's case): backward writes every dY B into one [M, Σ r] buffer, so the low-rank
+    part of dX is one GEMM; over a 16-bit base (the dA's cast to fp32 after) every dA is one GEMM as well. With three
+    scales, one GEMM per adapter each. The gradients agree."""
+    x = random_tensor((2, 5, 32), dtype, gen)
+    found = {}
+    for name, scales in {"one": (2.0, 2.0, 2.0), "three": (2.0, 0.5, 1.5)}.items():
+        group, projections = _qkv_group(gen, scales, dtype)
+        if name == "three":
+            # The same tensors as "one", each adapter scaled so that s_i A_i is the same product.
+            for new, old in zip(projections, found["one"][2], strict=True):
+                new.lora_a.data.copy_(old.lora_a * (2.0 / new.scale))
+                new.lora_b.data.copy_(old.lora_b)
+                new.weight.copy_(old.weight)
+        found[name] = (*_backward_gemms(group, projections, x.clone().requires_grad_(True)), projections)
+    one, three = found["one"][0], found["three"][0]
+    # dX: the base's mm + 2 addmm_, then the low-rank part: 1 addmm_ grouped, 3 otherwise; dA: 1 addmm grouped (3
+    # in fp32, where no cast follows); dB: 3 addmm either way; every dY B its own GEMM (into the buffer if grouped).
+    grouped_da = 1 if dtype != torch.float32 else 3
+    assert (one["aten.addmm_.default"], one["aten.addmm.default"], one["aten.mm.out"]) == (3, grouped_da + 3, 3), one
+    assert (three["aten.addmm_.default"], three["aten.addmm.default"], three["aten.mm.default"]) == (5, 6, 4), three
+    grads_one, grads_three = found["one"][1], found["three"][1]
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(grads_one[0], grads_three[0], **tolerance)
+    for j, (got, want) in enumerate(zip(grads_one[1:], grads_three[1:], strict=True)):
+        # dA of "three" is the gradient of A' = (2 / s) A: dA' = (s / 2) dA.
+        factor = found["three"][2][j // 2].scale / 2.0 if j % 2 == 0 else 1.0
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got * factor, want, **tolerance)
+    if dtype == torch.float32:
+        # No two gradients share a storage.
+        assert len({g.untyped_storage().data_ptr() for g in grads_one[1:]}) == len(grads_one) - 1
+
+
+def test_a_frozen_adapter_in_a_group_of_one_scale_takes_the_per_adapter_path(gen):
+    """k's A and B frozen: the grouped backward needs every adapter's gradient, so this group computes q's and v's on
+    their own; they equal those of the group with k trainable, and k gets none."""
+    x = random_tensor((2, 5, 32), torch.float32, gen)
+    group, projections = _qkv_group(gen, (2.0, 2.0, 2.0))
+    _, trained = _backward_gemms(group, projections, x.clone().requires_grad_(True))
+    for t in projections:
+        t.lora_a.grad = t.lora_b.grad = None
+    projections[1].lora_a.requires_grad_(False)
+    projections[1].lora_b.requires_grad_(False)
+    ops, frozen = _backward_gemms(group, projections, x.clone().requires_grad_(True))
+    assert "aten.mm.out" not in ops and ops["aten.addmm.default"] == 4  # dA and dB of q and v, one GEMM each
+    assert frozen[3] is None and frozen[4] is None
+    torch.testing.assert_close(frozen[0], trained[0], rtol=1e-5, atol=1e-6)
+    for j in (1, 2, 5, 6):
+        torch.testing.assert_close(frozen[j], trained[j], rtol=1e-5, atol=1e-6)
