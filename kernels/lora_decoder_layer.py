@@ -350,6 +350,9 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
         sources, targets = deferred
         if sources:
             torch._foreach_copy_(targets, sources)
+            # ctx keeps the lists: a gradient still referenced from here would be cloned by AccumulateGrad.
+            sources.clear()
+            targets.clear()
         return (
             grad_x,
             None,

@@ -142,12 +142,14 @@ class _Copies(TorchDispatchMode):
 
     def __init__(self, shapes: set[tuple[int, ...]]) -> None:
         super().__init__()
-        self.shapes, self.batched, self.single = shapes, 0, 0
+        self.shapes, self.batched, self.single, self.copies = shapes, 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._foreach_copy_.default:
             self.batched += 1
+        elif func is torch.ops.aten.copy_.default:
+            self.copies += 1
         elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
             self.single += 1
         return func(*args, **kwargs)
@@ -178,5 +180,7 @@ def test_a_layer_casts_its_fp32_adapters_with_one_copy_each_way(smol_tokenizer, 
     assert (forward.batched, forward.single) == (layers, 0)
     # Recompute runs each layer's forward again inside backward: one more copy for it.
     assert (backward.batched, backward.single) == ((2 if checkpointing else 1) * layers, 0)
+    # No gradient is left referenced by the node, which would make AccumulateGrad copy it into a new one.
+    assert backward.copies == 0
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
     _assert_same(fused, separate, batch)

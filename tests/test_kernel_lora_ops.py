@@ -650,11 +650,14 @@ def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
             super().__init__()
             self.batched = 0
             self.single = 0
+            self.copies = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is torch.ops.aten._foreach_copy_.default:
                 self.batched += 1
+            elif func is torch.ops.aten.copy_.default:
+                self.copies += 1
             elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
                 self.single += 1
             return func(*args, **kwargs)
@@ -668,7 +671,8 @@ def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
         with Copies() as backward:
             grads = torch.autograd.grad(loss, [x, *adapters])
     assert (forward.batched, forward.single) == (groups, 0)
-    assert (backward.batched, backward.single) == (groups, 0)
+    # No other copy: a gradient the node kept a reference to would be copied again by AccumulateGrad.
+    assert (backward.batched, backward.single, backward.copies) == (groups, 0, 0)
     assert all(g.dtype == torch.float32 and g.shape == a.shape for g, a in zip(grads[1:], adapters, strict=True))
 
     # The same node with every adapter already in fp16 casts nothing; its gradients, cast one by one, are the above.
