@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tests must never reach a hub; everything they load is built here or shipped in a wheel.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,6 +182,25 @@ def fused_calls(monkeypatch) -> list[str]:
 
         monkeypatch.setattr(function, "forward", staticmethod(counted))
     return calls
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts what a step casts: ``_foreach_copy_`` calls (``batched``), single casts (``_to_copy``) of tensors of
+    the given shapes (``single``: an adapter, a stack of A's, a LoRA gradient) and every ``copy_`` (``copies``)."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes, self.batched, self.single, self.copies = shapes, 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.batched += 1
+        elif func is torch.ops.aten.copy_.default:
+            self.copies += 1
+        elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.single += 1
+        return func(*args, **kwargs)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CastCounter
 from parity import count, graph_nodes, lora_model, make_batch, save_family
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastft.patches.fused_layer import upstream_layer_forward
 
@@ -137,24 +137,6 @@ def test_the_class_changes_forward_only_and_keeps_transformers_checkpoint_wrappe
     assert "forward" not in vars(layer)
 
 
-class _Copies(TorchDispatchMode):
-    """Counts ``_foreach_copy_`` calls and single casts of tensors shaped like an adapter (or a stack of A's)."""
-
-    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
-        super().__init__()
-        self.shapes, self.batched, self.single, self.copies = shapes, 0, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._foreach_copy_.default:
-            self.batched += 1
-        elif func is torch.ops.aten.copy_.default:
-            self.copies += 1
-        elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
-            self.single += 1
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_layer_casts_its_fp32_adapters_with_one_copy_each_way(smol_tokenizer, tmp_path, checkpointing):
     # peft keeps A and B in fp32 over a bf16 base: the layer's node casts all 14 with one _foreach_copy_ (one launch on
@@ -173,9 +155,9 @@ def test_a_layer_casts_its_fp32_adapters_with_one_copy_each_way(smol_tokenizer, 
     layers = len(_layers(fused))
 
     fused.zero_grad(set_to_none=True)
-    with _Copies(shapes) as forward:
+    with CastCounter(shapes) as forward:
         loss = fused(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-    with _Copies(shapes) as backward:
+    with CastCounter(shapes) as backward:
         loss.backward()
     assert (forward.batched, forward.single) == (layers, 0)
     # Recompute runs each layer's forward again inside backward: one more copy for it.

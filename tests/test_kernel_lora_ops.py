@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, CastCounter, random_tensor, relative_error
 from test_kernel_lora import (
     HIDDEN,
     INTERMEDIATE,
@@ -572,13 +572,9 @@ def test_one_compiled_graph_serves_every_layer_and_autocast(gen):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kind", ["qkv", "mlp"])
-def test_backward_reuses_the_adapter_casts_of_its_forward(kind, gen):
-    """fp32 adapters over a 16-bit base (peft's default): forward casts each A and B to the compute dtype once and the
-    same node's backward reuses those casts (one cast per adapter per step, not two)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from fastft.kernels import LoRAGroup, LoRAMLP, LoRAWeights, dispatch
+def _fp32_adapters_over_fp16(gen):
+    """``projection(out_features, in_features)``: an fp16 base with rank-4 fp32 adapters (peft's default), scale 2."""
+    from fastft.kernels import LoRAWeights
 
     def projection(out_features, in_features):
         return LoRAWeights(
@@ -587,6 +583,19 @@ def test_backward_reuses_the_adapter_casts_of_its_forward(kind, gen):
             random_tensor((out_features, 4), torch.float32, gen, 0.1).requires_grad_(True),
             2.0,
         )
+
+    return projection
+
+
+@pytest.mark.parametrize("kind", ["qkv", "mlp"])
+def test_backward_reuses_the_adapter_casts_of_its_forward(kind, gen):
+    """fp32 adapters over a 16-bit base (peft's default): forward casts each A and B to the compute dtype once and the
+    same node's backward reuses those casts (one cast per adapter per step, not two)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastft.kernels import LoRAGroup, LoRAMLP, dispatch
+
+    projection = _fp32_adapters_over_fp16(gen)
 
     if kind == "qkv":
         run = LoRAGroup(
@@ -621,17 +630,10 @@ def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
     """fp32 adapters over a 16-bit base: a group's forward stacks and casts all its A's and B's with one
     ``_foreach_copy_`` (one launch on CUDA, not a cat and a cast per tensor), and its backward casts all its LoRA
     gradients back to fp32 with one more; the values are exactly those of casting each tensor on its own."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fastft.kernels import LoRAGroup, LoRAMLP, LoRAWeights, dispatch
 
-    def projection(out_features, in_features):
-        return LoRAWeights(
-            random_tensor((out_features, in_features), torch.float16, gen, 0.1),
-            random_tensor((4, in_features), torch.float32, gen, 0.1).requires_grad_(True),
-            random_tensor((out_features, 4), torch.float32, gen, 0.1).requires_grad_(True),
-            2.0,
-        )
+    projection = _fp32_adapters_over_fp16(gen)
 
     if kind == "qkv":
         projections = [projection(32, 32), projection(16, 32), projection(16, 32)]
@@ -645,30 +647,13 @@ def test_a_group_casts_its_adapters_with_one_copy_each_way(kind, gen):
     # Any cast of an adapter, of the stacked A's (q, k, v: 12 rows; gate, up: 8) or of a LoRA gradient.
     shapes = {tuple(t.shape) for t in adapters} | {(12, 32), (8, 32)}
 
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.batched = 0
-            self.single = 0
-            self.copies = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._foreach_copy_.default:
-                self.batched += 1
-            elif func is torch.ops.aten.copy_.default:
-                self.copies += 1
-            elif func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
-                self.single += 1
-            return func(*args, **kwargs)
-
     x = random_tensor((2, 5, 32), torch.float16, gen).requires_grad_(True)
     with dispatch.force_reference():
-        with Copies() as forward:
+        with CastCounter(shapes) as forward:
             out = run(x)
         # An fp16 loss: no cast of its own in the backward counted below.
         loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
-        with Copies() as backward:
+        with CastCounter(shapes) as backward:
             grads = torch.autograd.grad(loss, [x, *adapters])
     assert (forward.batched, forward.single) == (groups, 0)
     # No other copy: a gradient the node kept a reference to would be copied again by AccumulateGrad.
