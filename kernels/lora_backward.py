@@ -36,32 +36,6 @@ from fastft.kernels.lora_math import Spec, dense_bases, segment_shapes, unread_z
 _GROUPED = object()
 
 
-def backward(
-    spec: Spec,
-    x2d: torch.Tensor,
-    xa: torch.Tensor | None,
-    weights: Sequence[torch.Tensor],
-    quant_states: Sequence[Any],
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    needs_x: bool,
-    needs_lora: Sequence[bool],
-    casts: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """Backward of one group: ``(dX [M, K] or None, [dA_j], [dB_j])`` over the LoRA segments, each LoRA gradient in
-    its parameter's dtype (None where ``needs_lora[j]`` is False). ``casts``: what this node's forward cast.
-
-    ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
-    segment without one gets zero gradients.
-    """
-    grad_x, pending = backward_input(
-        spec, x2d, xa, weights, quant_states, lora_a, lora_b, grads, needs_x, needs_lora, casts
-    )
-    grad_a, grad_b = pending.finish(x2d)
-    return grad_x, grad_a, grad_b
-
-
 class PendingLoRAGrads:
     """The LoRA gradients of one group's backward that still need the group's input ``X``: ``dA_j = s (dY B)^T X``.
 
@@ -149,10 +123,14 @@ def backward_input(
     needs_lora: Sequence[bool],
     casts: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor | None, PendingLoRAGrads]:
-    """The part of :func:`backward` that does not read ``X``: ``(dX or None, the pending LoRA gradients)``.
+    """Backward of one group up to what needs ``X``: ``(dX [M, K] or None, the pending LoRA gradients)``;
+    ``pending.finish(X)`` then gives ``([dA_j], [dB_j])`` over the LoRA segments, each in its parameter's dtype (None
+    where ``needs_lora[j]`` is False). ``casts``: what this node's forward cast.
 
-    ``x_like`` stands for ``X`` where only its shape, dtype and device are read (``X`` itself, or a tensor of its
-    shape); the gradients come from ``pending.finish(X)``.
+    ``grads`` holds per segment ``dY_i`` (``[..., out_i]``) or None for an output that got no gradient; a LoRA
+    segment without one gets zero gradients. ``x_like`` stands for ``X`` where only its shape, dtype and device are
+    read (``X`` itself, or a tensor of its shape): a caller whose ``X`` is cheaper to rebuild after ``dX`` is known
+    hands it to ``finish`` later.
     """
     dtype = x_like.dtype
     flat = []
@@ -238,4 +216,4 @@ def _grouped(
     pending.needs_x = True
 
 
-__all__ = ["PendingLoRAGrads", "backward", "backward_input"]
+__all__ = ["PendingLoRAGrads", "backward_input"]

@@ -264,12 +264,12 @@ class LoRAGroup:
         first: int,
         casts: dict[str, Any] | None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """:func:`lora_backward.backward <fastft.kernels.lora_backward.backward>` for the node that ran
-        :meth:`forward_math`: ``needs`` is its ``ctx.needs_input_grad`` (x first) and ``first`` the position of
-        the first A among its inputs."""
+        """:func:`lora_backward.backward_input <fastft.kernels.lora_backward.backward_input>` and its ``finish``,
+        ``(dX, [dA], [dB])``, for the node that ran :meth:`forward_math`: ``needs`` is its ``ctx.needs_input_grad``
+        (x first) and ``first`` the position of the first A among its inputs."""
         count = self._lora_count
         needs_lora = [needs[first + j] or needs[first + count + j] for j in range(count)]
-        return lora_backward.backward(
+        grad_x, pending = lora_backward.backward_input(
             self._spec,
             x2d,
             xa,
@@ -282,6 +282,7 @@ class LoRAGroup:
             needs_lora,
             casts,
         )
+        return (grad_x, *pending.finish(x2d))
 
     def op_arguments(self, dtype: torch.dtype) -> dict[str, Any]:
         """The group's tensors and layout as the custom op's keyword arguments (see the module docstring)."""
@@ -358,7 +359,7 @@ def _lora_group_backward(
 ) -> list[torch.Tensor]:
     spec = lora_op_args.op_spec(group, layout, scales)
     x2d = x.reshape(-1, x.shape[-1])
-    grad_x, grad_a, grad_b = lora_backward.backward(
+    grad_x, pending = lora_backward.backward_input(
         spec,
         x2d,
         xa,
@@ -370,6 +371,7 @@ def _lora_group_backward(
         needs[0],
         needs[1:],
     )
+    grad_a, grad_b = pending.finish(x2d)
     return lora_op_args.gradient_list(x, grad_x, grad_a, grad_b)
 
 

@@ -134,9 +134,10 @@ def backward(
     del hidden
     grads = [grad_gate, grad_up] if len(gate_up.widths) == 2 else [torch.cat([grad_gate, grad_up], dim=1)]
     weights, states, lora_a, lora_b, _ = gate_up_tensors
-    grad_x, grad_a, grad_b = lora_backward.backward(
+    grad_x, pending = lora_backward.backward_input(
         gate_up, x2d, xa_gate_up, weights, states, lora_a, lora_b, grads, needs_x, needs_lora[:count], gate_up_casts
     )
+    grad_a, grad_b = pending.finish(x2d)
     return grad_x, grad_a + grad_a_down, grad_b + grad_b_down
 
 
