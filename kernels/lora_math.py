@@ -267,14 +267,13 @@ def forward(
         if done is not None and done.dtype == dtype:
             # Cast ahead by the node that holds this group (cast_groups: one copy for all its groups).
             stacked, lora_b = done, casts["b"]
-        elif any(a.dtype != dtype for a in lora_a) or any(b.dtype != dtype for b in lora_b):
-            stacked, lora_b = cast_adapters(lora_a, lora_b, dtype)
-            if casts is not None:
-                casts["a"], casts["b"] = stacked, lora_b
         else:
-            stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
+            if any(a.dtype != dtype for a in lora_a) or any(b.dtype != dtype for b in lora_b):
+                stacked, lora_b = cast_adapters(lora_a, lora_b, dtype)
+            else:
+                stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
             if casts is not None:
-                # Backward's grouped dX reads the same stack.
+                # For this node's backward (its grouped dX reads the same stack, cast or not).
                 casts["a"], casts["b"] = stacked, lora_b
         xa = torch.mm(x2d, stacked.t())
     if biases is not None:
