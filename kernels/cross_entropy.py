@@ -22,7 +22,9 @@ Deliberate differences from ``F.cross_entropy``:
   padding or prompt tokens then leaves the weights alone instead of poisoning them.
 - a label outside [0, vocab) that is not ``ignore_index`` raises :class:`ShapeContractError` before any matmul. On
   CUDA torch would trip a device-side assert that kills the CUDA context, and a Triton row kernel would read past the
-  row; the check costs one reduction over the labels and one host sync per call, noise next to the LM-head matmuls.
+  row. The check is a reduction over the labels; reading its verdict waits for the GPU, unless the caller started it
+  earlier with :class:`~fastft.kernels.head_inputs.TargetRangeCheck` (the patched causal-LM forward does, before the
+  backbone), so that the loss does not drain the queue between the forward and the backward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.dispatch import tl, triton
-from fastft.kernels.head_inputs import check_head_inputs
+from fastft.kernels.head_inputs import TargetRangeCheck, check_head_inputs
 
 # Bound on one chunk's fp32 logits. 256 MiB keeps the GEMMs hundreds of rows tall (1024 rows at a 49k vocabulary,
 # 512 at Llama 3's 128k), which is where they reach full speed on a GPU, while staying a small fraction of what the
@@ -249,12 +251,13 @@ def _validate(
     ignore_index: int,
     chunk_size: int | None,
     softcap: float | None = None,
+    labels_check: TargetRangeCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the inputs and return hidden as [T, H] and labels as contiguous int64 [T]."""
     _check_softcap(name, softcap)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{name}: chunk_size must be a positive int or None, got {chunk_size!r}.")
-    return check_head_inputs(name, hidden, weight, labels, ignore_index, what="labels")
+    return check_head_inputs(name, hidden, weight, labels, ignore_index, what="labels", started=labels_check)
 
 
 def _denominator(labels: torch.Tensor, ignore_index: int, num_items_in_batch: int | torch.Tensor | None):
@@ -340,8 +343,8 @@ def _chunked_forward(
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd Function for :func:`fused_linear_cross_entropy`; gradients are computed in forward.
 
-    ``apply(hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap)`` with the meanings of
-    :func:`fused_linear_cross_entropy` (all positional; the last four may be left out). Saved for backward:
+    ``apply(hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap, labels_check)`` with the
+    meanings of :func:`fused_linear_cross_entropy` (all positional; the last five may be left out). Saved for backward:
     d hidden [T, H] in hidden's dtype, d weight [V, H] in fp32 when weight requires grad, and the 0-dim denominator;
     never the logits.
     """
@@ -356,9 +359,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         num_items_in_batch: int | torch.Tensor | None = None,
         chunk_size: int | None = None,
         softcap: float | None = None,
+        labels_check: TargetRangeCheck | None = None,
     ) -> torch.Tensor:
         name = "FusedLinearCrossEntropyFunction"
-        hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size, softcap)
+        hidden_2d, flat_labels = _validate(
+            name, hidden, weight, labels, ignore_index, chunk_size, softcap, labels_check
+        )
         denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
         chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
         row_loss, grad_hidden, grad_weight = _chunked_forward(
@@ -388,7 +394,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             out_hidden = (grad_hidden * factor).view(ctx.hidden_shape)
         if grad_weight is not None:
             out_weight = torch.mul(grad_weight, factor, out=dispatch.empty_like(grad_weight, dtype=ctx.weight_dtype))
-        return out_hidden, out_weight, None, None, None, None, None
+        return out_hidden, out_weight, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -400,6 +406,7 @@ def fused_linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    labels_check: TargetRangeCheck | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the [tokens, vocab] logits.
 
@@ -420,6 +427,9 @@ def fused_linear_cross_entropy(
         softcap: Final-logit soft cap ``c``: the loss is taken over ``tanh(logits / c) * c`` (Gemma 2/3's
             ``final_logit_softcapping``), applied chunk by chunk inside the fused computation. None: no cap, the
             plain kernel.
+        labels_check: The range check of ``labels``, started before the work that produced ``hidden``
+            (:class:`~fastft.kernels.head_inputs.TargetRangeCheck`); None checks here, which on a GPU waits for every
+            kernel queued so far.
 
     Returns:
         The loss, a 0-dim float32 tensor. Gradients flow to ``hidden`` and, if it requires grad, ``weight``, in
@@ -429,17 +439,18 @@ def fused_linear_cross_entropy(
         ShapeContractError: ``weight`` is not 2-D, ``hidden``'s last dim is not ``weight``'s, ``labels`` does not
             have ``hidden``'s leading shape, or a label is outside [0, V) and not ``ignore_index``.
         TypeError: Unsupported or mismatched dtypes.
-        ValueError: ``softcap`` is not None and not a finite number > 0; ``chunk_size`` is not a positive int.
+        ValueError: ``softcap`` is not None and not a finite number > 0; ``chunk_size`` is not a positive int;
+            ``labels_check`` was started for other labels.
     """
     name = "fused_linear_cross_entropy"
     # Checked here too so that the message names this function, not the autograd Function behind it.
     _check_softcap(name, softcap)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap
+            hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size, softcap, labels_check
         )
     # No graph will be built: skip the gradient pass of the row kernel and the two gradient matmuls.
-    hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size, softcap)
+    hidden_2d, flat_labels = _validate(name, hidden, weight, labels, ignore_index, chunk_size, softcap, labels_check)
     denominator = _denominator(flat_labels, ignore_index, num_items_in_batch)
     chunk = chunk_size or default_chunk_size(hidden_2d.shape[0], weight.shape[0])
     row_loss, _, _ = _chunked_forward(

@@ -20,6 +20,7 @@ def check_head_inputs(
     *,
     bias: torch.Tensor | None = None,
     what: str = "targets",
+    started: TargetRangeCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check an LM head's inputs; return hidden as [T, H] and the targets as contiguous int64 [T] on its device.
 
@@ -31,11 +32,13 @@ def check_head_inputs(
         ignore_index: The target value of positions not scored.
         bias: Optional [V] head bias.
         what: What the caller calls its targets (``"labels"`` for a loss), in the messages.
+        started: The range check of these targets, started earlier (:class:`TargetRangeCheck`); its verdict is read
+            instead of checking here, which on a GPU would wait for every kernel queued before this call.
 
     Raises:
         ShapeContractError: A shape that does not fit, or a scored target outside [0, V).
         TypeError: Unsupported or mismatched dtypes.
-        ValueError: Tensors on different devices.
+        ValueError: Tensors on different devices, or ``started`` was made for other targets.
     """
     if weight.dim() != 2 or weight.shape[0] == 0:
         raise ShapeContractError(
@@ -77,10 +80,14 @@ def check_head_inputs(
         )
     # Targets may live elsewhere (model parallel, a collator on the CPU); transformers moves them too.
     flat = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    # Meta tensors (the static compile check) have shapes but no values to check.
-    if not flat.is_meta and bool(bad.any()):
-        offending = flat[bad]
+    if started is not None:
+        started.expect(name, vocab, ignore_index, flat.numel())
+        failed = started.failed()
+    else:
+        # Meta tensors (the static compile check) have shapes but no values to check.
+        failed = not flat.is_meta and bool(_out_of_range(flat, vocab, ignore_index).any())
+    if failed:
+        offending = flat[_out_of_range(flat, vocab, ignore_index)]
         raise ShapeContractError(
             f"{name}: {what} must lie in [0, {vocab}) (the rows of weight [{vocab}, {width}]) or equal "
             f"ignore_index={ignore_index}; found {offending.numel()} outside, e.g. {offending[0].item()}. A tokenizer "
@@ -89,4 +96,59 @@ def check_head_inputs(
     return hidden.reshape(-1, width), flat
 
 
-__all__ = ["FLOAT_DTYPES", "check_head_inputs"]
+def _out_of_range(flat: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """Where a scored target lies outside [0, vocab)."""
+    return (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+
+
+class TargetRangeCheck:
+    """The range check of an LM head's targets, started where the targets are known and read where they are used.
+
+    Reading a GPU tensor's value waits for every kernel queued before it. A loss that checks its labels after the
+    model's forward therefore drains the queue between forward and backward, and the backward then starts with the
+    host no further ahead than the GPU. Started at the top of the forward, the check's few kernels run among the
+    step's first; its verdict is copied to pinned host memory behind a CUDA event, which has long completed by the
+    time the loss reads it. On the CPU (or meta) the check runs at once and reading it costs nothing extra.
+
+    Args:
+        targets: Integer token ids, already shifted, on any device.
+        vocab: The head's rows V; a scored target must lie in [0, V).
+        ignore_index: The target value of positions not scored.
+    """
+
+    def __init__(self, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+        self.vocab, self.ignore_index, self.numel = vocab, ignore_index, targets.numel()
+        self._event: torch.cuda.Event | None = None
+        self._flag: torch.Tensor | None = None
+        self._failed = False
+        if targets.is_meta or not self.numel:
+            return
+        bad = _out_of_range(targets.reshape(-1), vocab, ignore_index).any()
+        if bad.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(bad, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(bad.device))
+        else:
+            # Nothing to overlap with off a GPU: the verdict now, so the loss reads no tensor at all.
+            self._failed = bool(bad)
+
+    def expect(self, name: str, vocab: int, ignore_index: int, numel: int) -> None:
+        """Raise ValueError unless this check was started for targets of this head (V, ignore_index, count)."""
+        if (self.vocab, self.ignore_index, self.numel) != (vocab, ignore_index, numel):
+            raise ValueError(
+                f"{name}: the started target check covers {self.numel} targets against vocab {self.vocab} with "
+                f"ignore_index={self.ignore_index}, but the head has {numel} targets, vocab {vocab} and "
+                f"ignore_index={ignore_index}; start it on the targets passed here (TargetRangeCheck(targets, "
+                "weight.shape[0], ignore_index)) or pass none."
+            )
+
+    def failed(self) -> bool:
+        """Whether a scored target lies outside [0, V) (waits only for the check's own kernels)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._failed, self._event = bool(self._flag), None
+        return self._failed
+
+
+__all__ = ["FLOAT_DTYPES", "TargetRangeCheck", "check_head_inputs"]

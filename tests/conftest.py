@@ -203,6 +203,19 @@ class CastCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class OpRecorder(TorchDispatchMode):
+    """The aten operators dispatched, in order, by their packet names (``_local_scalar_dense`` is a tensor's value
+    read by the host: on a GPU, a wait for every kernel queued before it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 

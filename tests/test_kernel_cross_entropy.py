@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, random_tensor, relative_error
+from conftest import KERNEL_DEVICE, KERNEL_DTYPES, TOLERANCE, OpRecorder, random_tensor, relative_error
 
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import (
@@ -17,6 +17,7 @@ from fastft.kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.head_inputs import TargetRangeCheck
 
 IGNORE = -100
 
@@ -285,6 +286,35 @@ def test_bad_inputs_raise(kernel_path, gen):
         fused_linear_cross_entropy(hidden, weight, labels.float())
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         fused_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
+
+
+def test_a_label_check_started_earlier_gives_the_same_loss_errors_and_no_read_in_the_loss(kernel_path, gen):
+    hidden, weight, labels = make_inputs((2, 6), 50, 8, torch.float32, gen)
+
+    def loss_and_grads(check):
+        hidden.grad = weight.grad = None
+        loss = fused_linear_cross_entropy(hidden, weight, labels, labels_check=check)
+        loss.backward()
+        return loss.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    checked_here = loss_and_grads(None)
+    started = TargetRangeCheck(labels, 50, -100)
+    with OpRecorder() as recorder:
+        checked_before = loss_and_grads(started)
+    for before, here in zip(checked_before, checked_here, strict=True):
+        torch.testing.assert_close(before, here, rtol=0, atol=0)
+    # The verdict was taken when the check started: the loss reads no tensor value (on a GPU, no queue drain).
+    assert "_local_scalar_dense" not in recorder.ops and "any" not in recorder.ops
+    for bad in (50, -1):
+        wrong = labels.clone()
+        wrong[1, 2] = bad
+        with pytest.raises(ShapeContractError, match=rf"labels must lie in \[0, 50\).*found 1 outside, e\.g\. {bad}"):
+            fused_linear_cross_entropy(hidden, weight, wrong, labels_check=TargetRangeCheck(wrong, 50, -100))
+    for vocab, ignore_index, targets in ((49, -100, labels), (50, 0, labels), (50, -100, labels[:, :5])):
+        with pytest.raises(ValueError, match="the started target check covers .* but the head has 12 targets"):
+            fused_linear_cross_entropy(
+                hidden, weight, labels, labels_check=TargetRangeCheck(targets, vocab, ignore_index)
+            )
 
 
 def test_saved_bytes_meta_figure_equals_real(gen):

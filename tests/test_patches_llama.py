@@ -7,11 +7,12 @@ import inspect
 
 import pytest
 import torch
-from conftest import lane_cases, trl_logprobs_status
+from conftest import OpRecorder, lane_cases, trl_logprobs_status
 from parity import assert_parity, lora_model, make_batch, save_family
 from transformers.models.llama import modeling_llama as upstream
 
 from fastft import FastModel, patch_report
+from fastft.kernels.errors import ShapeContractError
 from fastft.patches import llama as llama_patches
 from fastft.registry import records, select, signature_fingerprint
 
@@ -167,3 +168,37 @@ def test_a_patched_model_deep_copies_and_pickles(tiny_llama_dir, tmp_path):
         for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             assert type(clone.model.layers[0].self_attn) is type(model.model.layers[0].self_attn)
             assert torch.equal(clone(input_ids=ids).logits, expected)
+
+
+def test_the_fused_loss_checks_its_labels_before_the_backbone_and_reads_nothing_after(
+    smol_tokenizer, tmp_path, monkeypatch
+):
+    """On a GPU, reading a tensor's value waits for every kernel queued before it: checked after the backbone, the
+    labels would drain the whole forward before the backward could be launched. The check starts before the
+    backbone's first operator, and the loss reads no value; bad labels raise as before."""
+    from fastft.kernels import cross_entropy
+
+    folder = _save_model(tmp_path, smol_tokenizer)
+    patched = lora_model(folder, patch=True)
+    batch = make_batch(patched.config.vocab_size, batch=2, seq=9, pad=2)
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
+    checks, reads = [], []
+    check_head_inputs = cross_entropy.check_head_inputs
+
+    def watched(*args, **kwargs):
+        checks.append(kwargs.get("started"))
+        with OpRecorder() as inside:
+            result = check_head_inputs(*args, **kwargs)
+        reads.append(inside.ops.count("_local_scalar_dense"))
+        return result
+
+    monkeypatch.setattr(cross_entropy, "check_head_inputs", watched)
+    with OpRecorder() as recorder:
+        patched(**inputs).loss.backward()
+    assert len(checks) == 1 and checks[0] is not None and reads == [0]
+    first_read, embedding = recorder.ops.index("_local_scalar_dense"), recorder.ops.index("embedding")
+    assert first_read < embedding, recorder.ops[: embedding + 1]
+    wrong = inputs["labels"].clone()
+    wrong[1, 4] = patched.config.vocab_size
+    with pytest.raises(ShapeContractError, match=rf"labels must lie in \[0, {patched.config.vocab_size}\)"):
+        patched(**{**inputs, "labels": wrong})

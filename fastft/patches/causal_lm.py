@@ -31,6 +31,7 @@ from packaging.version import Version
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastft.kernels import fused_linear_cross_entropy
+from fastft.kernels.head_inputs import TargetRangeCheck
 
 _IGNORE_INDEX = -100
 # transformers 5.24 renamed the output's past_key_values to cache.
@@ -128,12 +129,17 @@ def causal_lm_forward(
         return_dict = extra.pop("return_dict", None)
         shift_labels = extra.pop("shift_labels", None)
         num_items_in_batch = extra.get("num_items_in_batch")
-        outputs = getattr(self, backbone)(**arguments, **extra)
-        hidden_states = outputs[0]
         if shift_labels is None:
             # Position t predicts token t + 1; the last position predicts nothing (transformers' ForCausalLMLoss).
-            shift_labels = F.pad(labels, (0, 1), value=_IGNORE_INDEX)[..., 1:]
+            # Padding the slice, not slicing the padded labels: a contiguous result, which the check and the loss
+            # flatten without a copy each.
+            shift_labels = F.pad(labels[..., 1:], (0, 1), value=_IGNORE_INDEX)
         head = self.get_output_embeddings()
+        # Started before the backbone: the loss then reads a verdict the GPU reached long ago, instead of draining
+        # the whole forward from the queue before the backward can be launched.
+        labels_check = TargetRangeCheck(shift_labels, head.weight.shape[0], _IGNORE_INDEX)
+        outputs = getattr(self, backbone)(**arguments, **extra)
+        hidden_states = outputs[0]
         # Gemma 2 / 3 cap the logits (tanh(z / c) · c) before the loss; the fused loss caps each chunk it scores.
         softcap = getattr(self.config, "final_logit_softcapping", None)
         loss = fused_linear_cross_entropy(
@@ -143,6 +149,7 @@ def causal_lm_forward(
             ignore_index=_IGNORE_INDEX,
             num_items_in_batch=num_items_in_batch,
             softcap=softcap,
+            labels_check=labels_check,
         )
         self.fastft_fused_loss_calls += 1
 
