@@ -3,13 +3,11 @@ JSON files `bash bench/gpu_modes.sh` wrote, and every kernel-class table from `b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-from fastft.bench.report import _mode_label
+from gpu_results import bench_script, readme_line
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "bench" / "results" / "h100-2026-11-26b"
@@ -22,7 +20,6 @@ PAIRS = (
     ("vlm", "fastft", "unsloth-nogc"),
     ("vlm", "fastft", "transformers+peft"),
 )
-GIB = 1 << 30
 
 
 def _record(run: str) -> dict:
@@ -36,25 +33,12 @@ def _baseline_loss(run: str) -> float:
     return row["loss"]
 
 
-def _kernel_diff():
-    spec = importlib.util.spec_from_file_location("kernel_diff", ROOT / "bench" / "kernel_diff.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("run", RUNS)
 def test_readme_rows_are_the_json_rows(run: str) -> None:
     record = _record(run)
     assert record["device"] == "NVIDIA H100 80GB HBM3"
     for row in record["summary"]:
-        speed = row.get("same_mode_speed")
-        line = (
-            f"| {run} | {row['system']} | {_mode_label(row['mode'])} | {row['step_s']:.4f} | "
-            f"{row['tokens_per_s']:,.0f} | {row['peak_vram_bytes'] / GIB:.2f} | {row['gpu_busy']:.0%} | "
-            f"{row['gpu_kernel_s']:.4f} | {row['kernel_launches']} | {'–' if speed is None else f'{speed:.3f}'} |"
-        ).replace("%", " %")
-        assert line in README
+        assert readme_line(run, row) in README
         assert row["failed"] == []
         # bf16 on random weights: every first-step loss within 5e-5 relative of its workload's stock baseline's.
         assert abs(row["loss"] - _baseline_loss(run)) / _baseline_loss(run) < 5e-5
@@ -62,7 +46,7 @@ def test_readme_rows_are_the_json_rows(run: str) -> None:
 
 @pytest.mark.parametrize(("run", "first", "second"), PAIRS)
 def test_kernel_class_tables_are_kernel_diff_of_the_json(run: str, first: str, second: str) -> None:
-    module = _kernel_diff()
+    module = bench_script("kernel_diff")
     text = module.table(_record(run), first, second)
     assert f"**{run}**: {first} against {second}\n\n{text}\n" in README
     # Each column sums to the system's kernel time: the classes partition the top 25 and the rest.
@@ -82,7 +66,7 @@ def test_the_swiglu_row_shows_the_forward_relaunch_this_run_found() -> None:
 
 
 def test_kernel_diff_refuses_a_run_without_kernels() -> None:
-    module = _kernel_diff()
+    module = bench_script("kernel_diff")
     with pytest.raises(ValueError, match="no top_kernels"):
         module.breakdown({"system": "fastft", "kernel_launches": 1, "gpu_kernel_s": 0.1})
     with pytest.raises(ValueError, match="no run of"):

@@ -7,13 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-
-from fastft.bench.report import _mode_label
+from gpu_results import readme_line
 
 FOLDER = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100-2026-11-26"
 README = (FOLDER / "README.md").read_text()
 RUNS = ("none", "recompute", "offload", "compile")
-GIB = 1 << 30
 
 
 def _record(run: str) -> dict:
@@ -24,20 +22,11 @@ def _rows() -> list[tuple[str, dict]]:
     return [(run, row) for run in RUNS for row in _record(run)["summary"]]
 
 
-def _line(run: str, row: dict) -> str:
-    speed = row.get("same_mode_speed")
-    return (
-        f"| {run} | {row['system']} | {_mode_label(row['mode'])} | {row['step_s']:.4f} | {row['tokens_per_s']:,.0f} | "
-        f"{row['peak_vram_bytes'] / GIB:.2f} | {row['gpu_busy']:.0%} | {row['gpu_kernel_s']:.4f} | "
-        f"{row['kernel_launches']} | {'–' if speed is None else f'{speed:.3f}'} |"
-    ).replace("%", " %")
-
-
 @pytest.mark.parametrize(
     ("run", "row"), _rows(), ids=lambda value: value if isinstance(value, str) else value["system"]
 )
 def test_readme_row_is_its_json_row(run: str, row: dict) -> None:
-    assert _line(run, row) in README
+    assert readme_line(run, row) in README
 
 
 @pytest.mark.parametrize("run", RUNS)

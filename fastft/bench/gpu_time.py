@@ -64,12 +64,14 @@ def summarise(events: Iterable[Any], step_s: float | None = None) -> dict[str, A
     return summary
 
 
-def profile_step(step: Callable[[], Any], step_s: float | None = None) -> dict[str, Any]:
+def profile_step(step: Callable[[], Any], step_s: float | None = None, trace_path: str | None = None) -> dict[str, Any]:
     """Run ``step`` once under ``torch.profiler`` (CPU and CUDA activity) and :func:`summarise` it.
 
     Args:
         step: One training step (forward, backward, zero_grad) on a CUDA model.
         step_s: The median wall time of the unprofiled steps (for ``gpu_busy``).
+        trace_path: Where to write the step's Chrome trace (gzipped when it ends in ``.gz``), the timeline that
+            shows where the GPU waits for the host; None writes none.
 
     Returns:
         :func:`summarise`'s fields and ``profiled_step_s``.
@@ -88,6 +90,8 @@ def profile_step(step: Callable[[], Any], step_s: float | None = None) -> dict[s
         step()
         torch.cuda.synchronize()
         profiled = time.perf_counter() - begin
+    if trace_path:
+        profiler.export_chrome_trace(trace_path)
     return {**summarise(profiler.key_averages(), step_s), "profiled_step_s": profiled}
 
 

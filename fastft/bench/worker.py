@@ -25,6 +25,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -342,7 +343,10 @@ def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_
     extras: dict[str, Any] = {}
     if spec["device"] == "cuda":
         try:
-            extras.update(_load("gpu_time").profile_step(step, step_s))
+            # FASTFT_BENCH_TRACE_DIR: a folder for each system's profiled-step timeline (bench/gpu_gaps.py reads it).
+            folder = os.environ.get("FASTFT_BENCH_TRACE_DIR")
+            trace = os.path.join(folder, f"{spec['system']}.json.gz") if folder else None
+            extras.update(_load("gpu_time").profile_step(step, step_s, trace))
         except Exception as error:  # noqa: BLE001  (kept in the record; the measured row stands)
             extras["profile_error"] = _failure(error)
         finally:
