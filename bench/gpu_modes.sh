@@ -45,10 +45,7 @@ group offload 170 unsloth fastft+offload
 group compile 200 fastft+compile fastft+offload+compile
 # Where the GPU still waits: Unsloth and fastft with and without recompute, each profiled step's timeline kept
 # (OUTDIR/trace/timelines/<system>.json.gz; `python bench/gpu_gaps.py` reads them). Not in the default list.
-if [ "${GPU_MODES_GROUPS:-}" != "${GPU_MODES_GROUPS/trace/}" ]; then
-    mkdir -p "$OUTDIR/trace/timelines"
-    FASTFT_BENCH_TRACE_DIR="$OUTDIR/trace/timelines" group trace 260 fastft fastft+recompute unsloth-nogc
-fi
+FASTFT_BENCH_TRACE_DIR="$OUTDIR/trace/timelines" group trace 260 fastft fastft+recompute unsloth-nogc
 # Issue 33's Qwen2.5-VL-7B workload (8.3e9 parameters, one image per example): stock, Unsloth, fastft.
 group vlm 300 transformers+peft unsloth-nogc fastft
 touch "$OUTDIR/done"

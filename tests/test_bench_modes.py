@@ -328,3 +328,27 @@ def test_profiling_a_step_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         gpu_time.profile_step(lambda: None)
+
+
+def test_the_worker_writes_each_systems_timeline_where_fastft_bench_trace_dir_says(tmp_path, monkeypatch):
+    calls = []
+
+    def profile_step(step, step_s, trace_path=None):
+        calls.append(trace_path)
+        return {"gpu_kernel_s": 0.1}
+
+    real_load = worker._load
+    monkeypatch.setattr(
+        worker,
+        "_load",
+        lambda name: SimpleNamespace(profile_step=profile_step) if name == "gpu_time" else real_load(name),
+    )
+    model = SimpleNamespace(zero_grad=lambda set_to_none: None, config=SimpleNamespace())
+    spec = {"system": "fastft+recompute", "device": "cuda", "batch": 1, "seq": 8, "rank": 16}
+    folder = tmp_path / "trace" / "timelines"
+    monkeypatch.setenv("FASTFT_BENCH_TRACE_DIR", str(folder))
+    assert worker._extras(spec, model, lambda: None, 0.1, None)["gpu_kernel_s"] == 0.1
+    assert calls == [str(folder / "fastft+recompute.json.gz")] and folder.is_dir()
+    monkeypatch.delenv("FASTFT_BENCH_TRACE_DIR")
+    worker._extras(spec, model, lambda: None, 0.1, None)
+    assert calls[-1] is None

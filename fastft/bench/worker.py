@@ -346,6 +346,8 @@ def _extras(spec: dict[str, Any], model: Any, step: Any, step_s: float, measure_
             # FASTFT_BENCH_TRACE_DIR: a folder for each system's profiled-step timeline (bench/gpu_gaps.py reads it).
             folder = os.environ.get("FASTFT_BENCH_TRACE_DIR")
             trace = os.path.join(folder, f"{spec['system']}.json.gz") if folder else None
+            if folder:
+                os.makedirs(folder, exist_ok=True)
             extras.update(_load("gpu_time").profile_step(step, step_s, trace))
         except Exception as error:  # noqa: BLE001  (kept in the record; the measured row stands)
             extras["profile_error"] = _failure(error)
