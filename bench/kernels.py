@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from fastft.bench.environment import describe_device, device_slug, package_versions
 from fastft.bench.measure import SavedTensorBytes
 from fastft.kernels import dispatch
-from fastft.kernels.cross_entropy import fused_linear_cross_entropy
+from fastft.kernels.cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from fastft.kernels.nf4 import dequantize_nf4, nf4_linear
 from fastft.kernels.rms_norm import rms_norm
 from fastft.kernels.rope import apply_rope
@@ -96,6 +96,16 @@ def _median_ms(step: Callable[[], object], device: torch.device, repeats: int, w
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def _peak_extra_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """The most CUDA memory one step holds above what was allocated before it (its transients and outputs)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def _saved_bytes(step: Callable[[], torch.Tensor]) -> int:
@@ -241,6 +251,30 @@ def build_cases(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> lis
             )
         )
 
+    # The frozen head at other chunk heights: taller chunks give the logits GEMM more rows (the H100 run of
+    # 2026-11-27 measured it at about 590 TFLOP/s with 512-row chunks at a 128k vocabulary, Unsloth's at about 800)
+    # for more transient logits memory, which each row's peak (on CUDA) shows.
+    default = default_chunk_size(s.tokens, s.vocab)
+    frozen = _leaf((s.vocab, s.hidden), dtype, device, gen, scale=0.02).requires_grad_(False)
+    for rows in (default // 2, default * 2, default * 4):
+        if not 1 <= rows < s.tokens:
+            continue
+        cases.append(
+            Case(
+                f"fused_linear_cross_entropy_chunk{rows}",
+                _fwd_bwd(
+                    lambda rows=rows: fused_linear_cross_entropy(hidden, frozen, labels, chunk_size=rows),
+                    [hidden],
+                    None,
+                ),
+                _fwd_bwd(
+                    lambda: F.cross_entropy((hidden @ frozen.T).float(), labels, ignore_index=-100), [hidden], None
+                ),
+                flops=2 * 2 * s.tokens * s.vocab * s.hidden,
+                notes=f"the frozen head in {rows}-row chunks (default {default}): GEMM height against logits memory",
+            )
+        )
+
     nf4 = _nf4_case(shapes, dtype, device, gen)
     if nf4 is not None:
         cases.append(nf4)
@@ -304,6 +338,8 @@ def run(device: torch.device, dtype: torch.dtype, shapes: Shapes, repeats: int, 
             "notes": case.notes,
         }
         row["speedup"] = row["eager_ms"] / row["fastft_ms"]
+        if device.type == "cuda":
+            row["fastft_peak_extra_bytes"] = _peak_extra_bytes(case.fastft, device)
         seconds = row["fastft_ms"] * 1e-3
         if case.bytes_moved:
             row["bytes_moved"] = case.bytes_moved
