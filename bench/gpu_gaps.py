@@ -65,13 +65,12 @@ def gaps(events: list[dict[str, Any]]) -> dict[str, Any]:
         starts_by_thread[thread] = [op["ts"] for op in ops]
     cpu_start = min(e["ts"] for e in events if e.get("cat") == "cpu_op")
     cpu_end = max(e["ts"] + e["dur"] for e in events if e.get("cat") == "cpu_op")
-    busy_until, kernel_us = work[0]["ts"] + work[0]["dur"], 0.0
+    kernel_us = sum(event["dur"] for event in work if event["cat"] == "kernel")
+    busy_until = work[0]["ts"] + work[0]["dur"]
     by_outer: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_inner: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    largest = []
     host_idle = queued_idle = 0.0
     for event in work[1:]:
-        kernel_us += event["dur"] if event["cat"] == "kernel" else 0.0
         gap = event["ts"] - busy_until
         if gap >= MIN_GAP_US:
             launch = launches.get(event["args"].get("correlation"))
@@ -82,11 +81,9 @@ def gaps(events: list[dict[str, Any]]) -> dict[str, Any]:
                 for table, key in ((by_outer, outer), (by_inner, inner)):
                     table[key][0] += 1
                     table[key][1] += gap
-                largest.append((gap, outer, inner))
             else:
                 queued_idle += gap
         busy_until = max(busy_until, event["ts"] + event["dur"])
-    kernel_us += work[0]["dur"] if work[0]["cat"] == "kernel" else 0.0
 
     def top(table: dict[str, list[float]]) -> list[dict[str, Any]]:
         rows = sorted(table.items(), key=lambda item: -item[1][1])
@@ -101,7 +98,6 @@ def gaps(events: list[dict[str, Any]]) -> dict[str, Any]:
         "queued_idle_ms": queued_idle / 1e3,
         "by_outer": top(by_outer),
         "by_inner": top(by_inner),
-        "largest": [{"ms": g / 1e3, "outer": o, "inner": i} for g, o, i in sorted(largest, reverse=True)],
     }
 
 

@@ -237,25 +237,25 @@ def build_cases(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> lis
     for name, trained in (("fused_linear_cross_entropy", False), ("fused_linear_cross_entropy_trained_head", True)):
         head = _leaf((s.vocab, s.hidden), dtype, device, gen, scale=0.02).requires_grad_(trained)
         inputs = [hidden, head]
+        eager = _fwd_bwd(
+            lambda head=head: F.cross_entropy((hidden @ head.T).float(), labels, ignore_index=-100), inputs, None
+        )
         cases.append(
             Case(
                 name,
                 _fwd_bwd(lambda head=head: fused_linear_cross_entropy(hidden, head, labels), inputs, None),
-                _fwd_bwd(
-                    lambda head=head: F.cross_entropy((hidden @ head.T).float(), labels, ignore_index=-100),
-                    inputs,
-                    None,
-                ),
+                eager,
                 flops=(3 if trained else 2) * 2 * s.tokens * s.vocab * s.hidden,
                 notes="eager = F.cross_entropy on fp32 logits of hidden @ head.T, as transformers' ForCausalLMLoss",
             )
         )
+        if not trained:
+            frozen, frozen_eager = head, eager
 
     # The frozen head at other chunk heights: taller chunks give the logits GEMM more rows (the H100 run of
     # 2026-11-27 measured it at about 590 TFLOP/s with 512-row chunks at a 128k vocabulary, Unsloth's at about 800)
     # for more transient logits memory, which each row's peak (on CUDA) shows.
     default = default_chunk_size(s.tokens, s.vocab)
-    frozen = _leaf((s.vocab, s.hidden), dtype, device, gen, scale=0.02).requires_grad_(False)
     for rows in (default // 2, default * 2, default * 4):
         if not 1 <= rows < s.tokens:
             continue
@@ -264,12 +264,10 @@ def build_cases(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> lis
                 f"fused_linear_cross_entropy_chunk{rows}",
                 _fwd_bwd(
                     lambda rows=rows: fused_linear_cross_entropy(hidden, frozen, labels, chunk_size=rows),
-                    [hidden],
+                    [hidden, frozen],
                     None,
                 ),
-                _fwd_bwd(
-                    lambda: F.cross_entropy((hidden @ frozen.T).float(), labels, ignore_index=-100), [hidden], None
-                ),
+                frozen_eager,
                 flops=2 * 2 * s.tokens * s.vocab * s.hidden,
                 notes=f"the frozen head in {rows}-row chunks (default {default}): GEMM height against logits memory",
             )
