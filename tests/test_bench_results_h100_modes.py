@@ -3,23 +3,16 @@ the JSON files that `bash bench/gpu_modes.sh` wrote, so a number that does not m
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from gpu_results import readme_line
+from gpu_results import ROOT, readme_line, record
 
-FOLDER = Path(__file__).resolve().parents[1] / "bench" / "results" / "h100-2026-11-26"
+FOLDER = ROOT / "bench" / "results" / "h100-2026-11-26"
 README = (FOLDER / "README.md").read_text()
 RUNS = ("none", "recompute", "offload", "compile")
 
 
-def _record(run: str) -> dict:
-    return json.loads((FOLDER / f"bench-nvidia-h100-80gb-hbm3-{run}.json").read_text())
-
-
 def _rows() -> list[tuple[str, dict]]:
-    return [(run, row) for run in RUNS for row in _record(run)["summary"]]
+    return [(run, row) for run in RUNS for row in record(FOLDER, run)["summary"]]
 
 
 @pytest.mark.parametrize(
@@ -31,10 +24,10 @@ def test_readme_row_is_its_json_row(run: str, row: dict) -> None:
 
 @pytest.mark.parametrize("run", RUNS)
 def test_each_run_is_one_device_and_every_loss_agrees(run: str) -> None:
-    record = _record(run)
-    assert record["device"] == "NVIDIA H100 80GB HBM3"
-    assert record["harness_versions"]["torch"] == "2.11.0"
-    for row in record["summary"]:
+    data = record(FOLDER, run)
+    assert data["device"] == "NVIDIA H100 80GB HBM3"
+    assert data["harness_versions"]["torch"] == "2.11.0"
+    for row in data["summary"]:
         assert row["failed"] == []
         # bf16 on random weights: every first-step loss within 5e-5 relative of the stock baseline's (12.18263).
         assert abs(row["loss"] - 12.18263) / 12.18263 < 5e-5
@@ -57,8 +50,8 @@ def test_targets_table_is_the_runs_ratios() -> None:
 
 def test_compiled_rows_compiled_every_layer_and_ran_slower() -> None:
     """The evidence that keeps regional compilation off by default on CUDA (issue 28, point 3)."""
-    compiled = {row["system"]: row for row in _record("compile")["runs"]}
-    eager = {row["system"]: row for run in ("none", "offload") for row in _record(run)["runs"]}
+    compiled = {row["system"]: row for row in record(FOLDER, "compile")["runs"]}
+    eager = {row["system"]: row for run in ("none", "offload") for row in record(FOLDER, run)["runs"]}
     for name, base in (("fastft+compile", "fastft"), ("fastft+offload+compile", "fastft+offload")):
         assert compiled[name]["fastft_compiled_layers"] == 16
         assert eager[base]["fastft_compiled_layers"] == 0
