@@ -53,7 +53,7 @@ class DecoderLayerSpec:
         head_dim: The attention's head_dim.
     """
 
-    __slots__ = ("head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
+    __slots__ = ("frozen", "head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
 
     def __init__(self, qkv: LoRAGroup, o: LoRAGroup, mlp: LoRAMLP, input_eps: float, post_eps: float, head_dim: int):
         self.qkv, self.o, self.mlp = qkv, o, mlp
@@ -69,6 +69,8 @@ class DecoderLayerSpec:
         cuts.append((start, start + gate_up + down, gate_up))
         cuts.append((start + gate_up, start + 2 * gate_up + down, down))
         self.lora_cuts = tuple(cuts)
+        # Every base weight and bias: the node gives them no gradient.
+        self.frozen = qkv._frozen + o._frozen + mlp.gate_up._frozen + mlp.down._frozen
 
     def adapters(self) -> tuple[torch.Tensor, ...]:
         """Every A and B of the layer: the q / k / v group's, o's, then the MLP's (each part as it orders them)."""

@@ -5,7 +5,8 @@ A call runs the layer without a graph and keeps only what the recompute needs: t
 parked in host memory by :mod:`fastft.checkpointing.offload`, or replayed by :mod:`fastft.checkpointing.replay`),
 the RNG and autocast state the forward ran under, and the bound layer function. Its backward runs the layer again on
 the same (fused) path and hands the gradients of the input, of keyword tensors that need one and of the layer's
-trainable parameters back to autograd.
+trainable parameters back to autograd. Where the layer's forward offered a rerun of its fused node
+(:mod:`fastft.checkpointing.rerun`), the recompute and the ``"sqrt"`` replay call that instead of the forward.
 
 What a call costs on the host is kept to what must be per call. The layer's parameters are walked once and walked
 again only when a module or parameter was registered into one of its modules (torch's registration hooks say so) or
@@ -28,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.checkpointing.offload import OffloadEngine, ParkedTensor
 from fastft.checkpointing.replay import ReplayedInput, Segment
+from fastft.checkpointing.rerun import Rerun, listen, stop
 from fastft.checkpointing.router_logits import layer_routers, recording_router_logits
 from fastft.kernels.custom_ops import direct_apply
 
@@ -315,6 +317,9 @@ class _LayerCall:
         self.previous: weakref.ref | None = None
         self.segment: weakref.ref | None = None
         self.rebuild: Callable[[Sequence[torch.Tensor]], Any] = _first
+        # The layer's own shortcut for running this call again (fastft.checkpointing.rerun), heard in the forward.
+        self.listens = self.count == 1 and self.positions is None and not keyword_paths
+        self.rerun: Rerun | None = None
         # Taken before the forward runs, so the recompute draws the same dropout masks. A layer called without a
         # positional tensor still runs where its parameters are.
         self.state = ForwardState(tensors if tensors else parameters[:1])
@@ -356,6 +361,8 @@ class _LayerCall:
     def replay(self, tensor: torch.Tensor) -> torch.Tensor:
         """The layer's first output from ``tensor`` as its only positional input, as the forward computed it."""
         with torch.no_grad(), self.state.replayed():
+            if self.rerun is not None:
+                return self.rerun(tensor)
             outputs = self.function(*self.arguments([tensor]))
         return _tensors_of(outputs, self.owner)[0]
 
@@ -375,8 +382,15 @@ class _CheckpointedLayer(torch.autograd.Function):
         if call.offload:
             # Queued before the layer's kernels, so the copy to host overlaps them.
             call.pending = [call.engine.park(call.slot, tensor) for tensor in inputs]
-        outputs = call.function(*call.arguments(inputs))
+        slot = listen() if call.listens else None
+        try:
+            outputs = call.function(*call.arguments(inputs))
+        finally:
+            if slot is not None:
+                stop(slot)
         flat, call.rebuild = _flatten(outputs, call.owner)
+        if slot is not None and len(flat) == 1:
+            call.rerun = slot.taken_for(inputs[0])
         call.previous = call.engine.follow(call.slot, call)
         # Packed by the caller's hooks, or parked in host memory by call.park (LayerCheckpoint.__call__).
         ctx.save_for_backward(*inputs)
@@ -397,10 +411,12 @@ class _CheckpointedLayer(torch.autograd.Function):
         keyword_leaves = {
             path: _keyword(call.function, path).detach().requires_grad_(True) for path in call.keyword_paths
         }
-        function = _with_keywords(call.function, keyword_leaves)
         with torch.enable_grad(), call.state.replayed():
-            outputs = function(*call.arguments(leaves))
-        flat = _tensors_of(outputs, call.owner)
+            if call.rerun is not None:
+                flat = [call.rerun(leaves[0])]
+            else:
+                function = _with_keywords(call.function, keyword_leaves)
+                flat = _tensors_of(function(*call.arguments(leaves)), call.owner)
         pairs = [(out, grad) for out, grad in zip(flat, grads, strict=True) if grad is not None and out.requires_grad]
         targets = [leaf for leaf in leaves if leaf.requires_grad] + list(keyword_leaves.values()) + call.parameters
         found: Sequence[torch.Tensor | None] = [None] * len(targets)

@@ -15,12 +15,14 @@ the attention function the arguments upstream's layer would have handed the atte
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from fastft.checkpointing.rerun import listening, offer
 from fastft.kernels.custom_ops import compiling
 from fastft.kernels.lora_decoder_layer import DecoderLayerSpec, lora_decoder_layer
 from fastft.kernels.lora_group import LoRAGroup
@@ -167,16 +169,24 @@ def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: b
             out, _ = function(attention_module, query, key, value, mask, dropout=dropout, scaling=scaling, **options)
             return out.reshape(batch, seq, -1).contiguous()
 
-        return lora_decoder_layer(
-            spec,
-            hidden_states,
-            cos,
-            sin,
-            attend,
-            input_norm.weight,
-            post_norm.weight,
-            autocast_dtype(hidden_states),
-        )
+        dtype = autocast_dtype(hidden_states)
+        if listening() and _plain(self) and not any(tensor.requires_grad for tensor in spec.frozen):
+            # The checkpointer's recompute (autograd on) would come back here and take this same node: a trainable
+            # frozen weight would send it elsewhere, and a hook on the layer would have to run again.
+            offer(
+                hidden_states,
+                functools.partial(
+                    lora_decoder_layer,
+                    spec,
+                    cos=cos,
+                    sin=sin,
+                    attend=attend,
+                    input_weight=input_norm.weight,
+                    post_weight=post_norm.weight,
+                    dtype=dtype,
+                ),
+            )
+        return lora_decoder_layer(spec, hidden_states, cos, sin, attend, input_norm.weight, post_norm.weight, dtype)
 
     forward.__signature__ = signature
     forward.__doc__ = f"``{upstream_class.__name__}.forward`` as one fused autograd node where every part is fused."
