@@ -49,7 +49,11 @@ def test_parity_with_stock_left_padded(shape, kernel_path, smol_tokenizer, tmp_p
 def test_parity_at_sequence_lengths(seq, kernel_path, smol_tokenizer, tmp_path):
     folder = _save_model(tmp_path, smol_tokenizer)
     patched, stock = lora_model(folder, patch=True), lora_model(folder, patch=False)
-    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=2, seq=seq))
+    # Through the interpreter most kernels run one program per token (RoPE, RMSNorm, the loss rows), and two rows of 63
+    # tokens took a minute. One row of 63 still spans two of the interpreter's 32-row GEMM tiles, the second ragged,
+    # and positions up to 62; two rows sharing a tile are checked at length 7 (and left-padded, above).
+    batch = 1 if (kernel_path, seq) == ("triton", 63) else 2
+    assert_parity(patched, stock, make_batch(patched.config.vocab_size, batch=batch, seq=seq))
 
 
 def test_parity_with_4bit_base(kernel_path, smol_tokenizer, tmp_path):
