@@ -169,24 +169,21 @@ def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: b
             out, _ = function(attention_module, query, key, value, mask, dropout=dropout, scaling=scaling, **options)
             return out.reshape(batch, seq, -1).contiguous()
 
-        dtype = autocast_dtype(hidden_states)
+        run = functools.partial(
+            lora_decoder_layer,
+            spec,
+            cos=cos,
+            sin=sin,
+            attend=attend,
+            input_weight=input_norm.weight,
+            post_weight=post_norm.weight,
+            dtype=autocast_dtype(hidden_states),
+        )
         if listening() and _plain(self) and not any(tensor.requires_grad for tensor in spec.frozen):
-            # The checkpointer's recompute (autograd on) would come back here and take this same node: a trainable
+            # The checkpointer's recompute (autograd on) would come back here and make this same call: a trainable
             # frozen weight would send it elsewhere, and a hook on the layer would have to run again.
-            offer(
-                hidden_states,
-                functools.partial(
-                    lora_decoder_layer,
-                    spec,
-                    cos=cos,
-                    sin=sin,
-                    attend=attend,
-                    input_weight=input_norm.weight,
-                    post_weight=post_norm.weight,
-                    dtype=dtype,
-                ),
-            )
-        return lora_decoder_layer(spec, hidden_states, cos, sin, attend, input_norm.weight, post_norm.weight, dtype)
+            offer(hidden_states, run)
+        return run(hidden_states)
 
     forward.__signature__ = signature
     forward.__doc__ = f"``{upstream_class.__name__}.forward`` as one fused autograd node where every part is fused."
