@@ -2,9 +2,10 @@
 call it instead of the layer's forward.
 
 The checkpointer runs the layer's forward once without a graph, then again in backward (and ``"sqrt"`` once more
-for the inputs of a segment). Each later run through the layer's forward repeats work whose answer cannot have
-changed within the step: binding the arguments, checking hooks and cache arguments, and stamping seven projections
-to find the layer's kept plan (about a quarter of a fused layer's host time). So while the checkpointer runs the
+for the inputs of a segment). Each later run through the layer's forward repeats work whose answer the recompute
+must not change anyway, since it replays what the forward ran: binding the arguments, checking hooks and cache
+arguments, and stamping seven projections to find the layer's kept plan (about a quarter of a fused layer's host
+time). So while the checkpointer runs the
 forward it listens (:func:`listen`), and a fused layer forward that runs its node offers (:func:`offer`) a callable
 that runs the same node, with the same plan and the same arguments, on a new input. The checkpointer keeps it only
 when the offer came for the call's own input, once; otherwise it calls the forward as before.
