@@ -57,14 +57,20 @@ def test_a_plan_is_built_once_and_reused(model, builds):
     assert len(builds) == 2 * _layers(model)
 
 
+@pytest.mark.parametrize("rerun", [True, False], ids=["rerun", "through-the-forward"])
 @pytest.mark.parametrize("mode", [True, "offload", "sqrt"])
-def test_checkpointing_alternates_between_two_kept_decisions(tiny_llama_dir, builds, mode):
-    """The checkpointed forward runs without grad and the recompute with grad: two decisions per module, each made
-    once, not one made again on every call."""
+def test_checkpointing_decides_once_per_grad_mode_it_runs_under(tiny_llama_dir, builds, monkeypatch, mode, rerun):
+    """The checkpointed forward runs without grad. Its recompute runs the node the forward offered
+    (fastft.checkpointing.rerun) and decides nothing; where it goes through the forward instead, it decides with grad:
+    then two decisions per module, each made once, not one made again on every call."""
+    if not rerun:
+        import fastft.patches.fused_layer as fused_layer
+
+        monkeypatch.setattr(fused_layer, "listening", lambda: False)
     model, _ = lora_model(tiny_llama_dir, use_gradient_checkpointing=mode)
     _step(model).backward()
     first = len(builds)
-    assert first == 2 * 2 * _layers(model)
+    assert first == (1 if rerun else 2) * 2 * _layers(model)
     for _ in range(3):
         _step(model).backward()
     assert len(builds) == first
