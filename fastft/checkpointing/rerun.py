@@ -5,10 +5,10 @@ The checkpointer runs the layer's forward once without a graph, then again in ba
 for the inputs of a segment). Each later run through the layer's forward repeats work whose answer the recompute
 must not change anyway, since it replays what the forward ran: binding the arguments, checking hooks and cache
 arguments, and stamping seven projections to find the layer's kept plan (about a quarter of a fused layer's host
-time). So while the checkpointer runs the
-forward it listens (:func:`listen`), and a fused layer forward that runs its node offers (:func:`offer`) a callable
-that runs the same node, with the same plan and the same arguments, on a new input. The checkpointer keeps it only
-when the offer came for the call's own input, once; otherwise it calls the forward as before.
+time). So while the checkpointer runs the forward it listens (:func:`listen`), and a fused layer forward that runs
+its node offers (:func:`offer`) a callable that runs the same node, with the same plan and the same arguments, on a
+new input. The checkpointer keeps it only when the offer came for the call's own input, once; otherwise it calls the
+forward as before.
 
 Whoever offers answers for the rerun computing what its forward would compute in the recompute (with autograd on):
 the fused layer offers only when no frozen weight needs a gradient and nothing hooks the layer, which are the
@@ -57,12 +57,8 @@ def listen() -> RerunSlot:
 
 
 def stop(slot: RerunSlot) -> None:
-    """Close ``slot`` (the innermost open one)."""
-    slots = _LISTENERS.slots
-    if slots and slots[-1] is slot:
-        slots.pop()
-    elif slot in slots:
-        slots.remove(slot)
+    """Close ``slot`` (the innermost open one: the checkpointer closes it in a ``finally``)."""
+    _LISTENERS.slots.remove(slot)
 
 
 def listening() -> bool:
