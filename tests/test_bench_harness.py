@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,10 @@ def quick_run(tmp_path_factory):
     command = [sys.executable, "-m", "fastft.cli", "bench", "--quick", "--device", "cpu", "--rounds", "2"]
     command += ["--steps", "1", "--systems", "transformers+peft", "fastft+offload", "--output-dir", str(folder)]
     command += ["--readme", str(readme), "--venv-root", str(folder / "venvs")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder)
+    # Its own temporary folder, to show that the run leaves nothing behind there.
+    (folder / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(folder / "tmp"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return folder, result, json.loads((folder / "bench-cpu-quick.json").read_text())
 
@@ -46,6 +50,11 @@ def test_quick_run_alternates_systems_one_process_each_and_agrees_on_the_loss(qu
     assert "flops" in record["runs"][0] and "flops" not in record["runs"][2]
     assert record["runs"][1]["fastft_patches"] and "checkpoint.offload" in record["runs"][1]["fastft_patches"]
     assert record["matmul_flops_per_s"]["float32"] > 1e8
+
+
+def test_quick_run_leaves_no_temporary_folder_behind(quick_run):
+    folder, _, _ = quick_run
+    assert not list((folder / "tmp").iterdir())
 
 
 def test_quick_run_summary_table_plot_and_readme(quick_run):

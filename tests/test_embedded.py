@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from fastft import FastModel
-from fastft.loading.embedded import materialise_gguf, resolve_alias
+from fastft.loading.embedded import (
+    CONVERSION_FORMAT,
+    SOURCE_RECORD,
+    materialise_gguf,
+    remove_stale_conversions,
+    resolve_alias,
+)
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
@@ -53,3 +63,42 @@ def test_embedded_model_loads_and_answers(tmp_path, monkeypatch):
     cached = materialise_gguf(folder, gguf_file)
     assert cached.parent == tmp_path / "cache" / "gguf"
     assert len(list(cached.parent.iterdir())) == 1
+    record = json.loads((cached / SOURCE_RECORD).read_text())
+    assert record == {
+        "source": str((Path(folder) / gguf_file).resolve()),
+        "local": True,
+        "format": CONVERSION_FORMAT,
+        "transformers_major": Version(transformers.__version__).major,
+    }
+
+
+def _conversion(cache, name, **record):
+    folder = cache / name
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"0" * 16)
+    if record:
+        (folder / SOURCE_RECORD).write_text(json.dumps(record))
+    return folder
+
+
+def test_a_new_conversion_removes_the_ones_it_makes_stale_and_keeps_the_rest(tmp_path):
+    """Each venv converts its own copy (the key holds the GGUF's path): the copies of files that are gone, and older
+    copies of the same file, are removed; the others and those an older fastft wrote (no record) are kept."""
+    cache, here, elsewhere = tmp_path / "gguf", tmp_path / "venv-b" / "m.gguf", tmp_path / "venv-c" / "m.gguf"
+    for file in (here, elsewhere):
+        file.parent.mkdir()
+        file.write_bytes(b"GGUF")
+    major = Version(transformers.__version__).major
+    ours = {"source": str(here.resolve()), "local": True, "format": CONVERSION_FORMAT, "transformers_major": major}
+    current = _conversion(cache, "m-current", **ours)
+    gone = _conversion(cache, "m-gone", **{**ours, "source": str(tmp_path / "venv-a" / "m.gguf")})
+    older = _conversion(cache, "m-older", **{**ours, "format": CONVERSION_FORMAT - 1})
+    kept = {
+        "other file": _conversion(cache, "m-other", **{**ours, "source": str(elsewhere.resolve())}),
+        "other major": _conversion(cache, "m-major", **{**ours, "transformers_major": major + 1}),
+        "hub file": _conversion(cache, "m-hub", **{**ours, "source": "org/repo/m.gguf", "local": False}),
+        "no record": _conversion(cache, "m-unrecorded"),
+        "staging": _conversion(cache, ".staging-x", **{**ours, "source": str(tmp_path / "gone.gguf")}),
+    }
+    assert sorted(remove_stale_conversions(current)) == sorted([gone, older])
+    assert sorted(path.name for path in cache.iterdir()) == sorted(["m-current", *(p.name for p in kept.values())])

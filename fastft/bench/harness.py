@@ -290,30 +290,35 @@ def run(options: Options) -> dict[str, Any]:
             load_before,
         )
     pythons = _pythons(systems, options)
-    scratch = Path(tempfile.mkdtemp(prefix="fastft-bench-"))
-    folders = {workload.name: prepare_model(workload, options) for workload in workloads}
-    rates = {}
-    for dtype in sorted({workload.dtype for workload in workloads}):
-        result = _run_worker(Path(sys.executable), ["--matmul-rate", options.device, dtype], options, scratch)
-        rates[dtype] = result.get("matmul_flops_per_s")
-    runs: list[dict[str, Any]] = []
-    total = len(workloads) * options.rounds * len(systems)
-    for workload in workloads:
-        for round_index in range(options.rounds):
-            for system in systems:
-                # Not for MoE: the counter would count stock peft's fold of B·A into every expert (work the routed
-                # model does not ask for), so those workloads' floor is the routed analytic count.
-                counted = round_index == 0 and not is_moe(workload.model)
-                flops = counted and system.name == (BASELINE if BASELINE in pythons else systems[0].name)
-                spec = _spec(system, workload, folders[workload.name], options, count_flops=flops)
-                begin = time.perf_counter()
-                record = _run_worker(pythons[system.name], ["--spec", json.dumps(spec)], options, scratch)
-                record.update(
-                    workload=workload.name, system=system.name, round=round_index, wall_s=time.perf_counter() - begin
-                )
-                runs.append(record)
-                logger.info("fastft bench [%d/%d] %s", len(runs), total, report.describe_run(record))
-    longest = _longest_all(workloads, systems, folders, pythons, options, scratch) if options.longest else []
+    # The workers' working folder (what they write there, and the folder itself, go when the run ends).
+    with tempfile.TemporaryDirectory(prefix="fastft-bench-") as folder:
+        scratch = Path(folder)
+        folders = {workload.name: prepare_model(workload, options) for workload in workloads}
+        rates = {}
+        for dtype in sorted({workload.dtype for workload in workloads}):
+            result = _run_worker(Path(sys.executable), ["--matmul-rate", options.device, dtype], options, scratch)
+            rates[dtype] = result.get("matmul_flops_per_s")
+        runs: list[dict[str, Any]] = []
+        total = len(workloads) * options.rounds * len(systems)
+        for workload in workloads:
+            for round_index in range(options.rounds):
+                for system in systems:
+                    # Not for MoE: the counter would count stock peft's fold of B·A into every expert (work the routed
+                    # model does not ask for), so those workloads' floor is the routed analytic count.
+                    counted = round_index == 0 and not is_moe(workload.model)
+                    flops = counted and system.name == (BASELINE if BASELINE in pythons else systems[0].name)
+                    spec = _spec(system, workload, folders[workload.name], options, count_flops=flops)
+                    begin = time.perf_counter()
+                    record = _run_worker(pythons[system.name], ["--spec", json.dumps(spec)], options, scratch)
+                    record.update(
+                        workload=workload.name,
+                        system=system.name,
+                        round=round_index,
+                        wall_s=time.perf_counter() - begin,
+                    )
+                    runs.append(record)
+                    logger.info("fastft bench [%d/%d] %s", len(runs), total, report.describe_run(record))
+        longest = _longest_all(workloads, systems, folders, pythons, options, scratch) if options.longest else []
     device = describe_device(torch.device(options.device)) if options.device == "cpu" else _cuda_name(options)
     record = {
         "benchmark": "fastft bench",

