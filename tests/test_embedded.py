@@ -32,24 +32,15 @@ def test_other_names_pass_through():
 
 
 @pytest.mark.lane
-def test_embedded_model_converts_on_every_release(tmp_path, monkeypatch):
+def test_embedded_model_converts_loads_and_answers_on_every_release(tmp_path, monkeypatch):
     """The one-time GGUF conversion loads with the load-dtype keyword of the installed release (torch_dtype before
-    4.56, where dtype= would reach the model's __init__)."""
+    4.56, where dtype= would reach the model's __init__), and the model answers sensibly: transformers 5.5.4's own
+    tokenizer conversion made it answer gibberish. One test, so that each lane converts the model once."""
     monkeypatch.setenv("FASTFT_CACHE", str(tmp_path / "cache"))
-    model, _ = FastModel.from_pretrained("smollm2-135m", max_seq_length=64, dtype=torch.float32)
+    model, tokenizer = FastModel.from_pretrained("smollm2-135m", max_seq_length=512, dtype=torch.float32)
     config = model.config
     assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (9, 3, 576)
     assert model.dtype == torch.float32 and not hasattr(config, "quantization_config")
-
-
-@pytest.mark.lane
-def test_embedded_model_loads_and_answers(tmp_path, monkeypatch):
-    """It answers sensibly on every release: transformers 5.5.4's own tokenizer conversion made it answer gibberish."""
-    monkeypatch.setenv("FASTFT_CACHE", str(tmp_path / "cache"))
-    model, tokenizer = FastModel.from_pretrained("smollm2-135m", max_seq_length=512)
-    config = model.config
-    assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (9, 3, 576)
-    assert not hasattr(config, "quantization_config")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     FastModel.for_inference(model)
