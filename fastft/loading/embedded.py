@@ -89,7 +89,8 @@ def materialise_gguf(folder: str, gguf_file: str) -> Path:
     The cache key is the GGUF file's absolute path, size and modification time, so a changed file converts
     again, ``CONVERSION_FORMAT``, so a folder an older fastft converted differently is not reused, and the major
     release of transformers that writes it. The folder is written under a temporary name and renamed, so a killed
-    conversion leaves nothing half-written behind.
+    conversion leaves nothing half-written behind. A new conversion then removes the cached ones it makes stale
+    (:func:`remove_stale_conversions`).
 
     Args:
         folder: The folder (or hub id) holding the GGUF file.
