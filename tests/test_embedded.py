@@ -12,6 +12,7 @@ import transformers
 from packaging.version import Version
 
 from fastft import FastModel
+from fastft.loading import embedded
 from fastft.loading.embedded import (
     CONVERSION_FORMAT,
     SOURCE_RECORD,
@@ -93,3 +94,19 @@ def test_a_new_conversion_removes_the_ones_it_makes_stale_and_keeps_the_rest(tmp
     }
     assert sorted(remove_stale_conversions(current)) == sorted([gone, older])
     assert sorted(path.name for path in cache.iterdir()) == sorted(["m-current", *(p.name for p in kept.values())])
+
+
+def test_a_stale_conversion_that_cannot_be_removed_is_reported_and_not_counted(tmp_path, monkeypatch, caplog):
+    major = Version(transformers.__version__).major
+    ours = {"source": str(tmp_path / "m.gguf"), "local": True, "format": CONVERSION_FORMAT, "transformers_major": major}
+    current = _conversion(tmp_path / "gguf", "m-current", **ours)
+    stuck = _conversion(tmp_path / "gguf", "m-stuck", **{**ours, "source": str(tmp_path / "gone.gguf")})
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(embedded.shutil, "rmtree", refuse)
+    with caplog.at_level("WARNING", logger="fastft.embedded"):
+        assert remove_stale_conversions(current) == []
+    assert stuck.is_dir()
+    assert f"could not remove the stale conversion {stuck}" in caplog.text and "Permission denied" in caplog.text

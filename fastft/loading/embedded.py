@@ -174,8 +174,15 @@ def remove_stale_conversions(current: Path) -> list[Path]:
         gone = other.get("local") is True and not Path(source).exists()
         if not (same or gone):
             continue
-        logger.info("fastft: removing the stale conversion %s (of %s)", folder, source)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            continue  # another process's conversion removed it first
+        except OSError as error:
+            # The new conversion is in place; a stale copy left behind costs disk, not correctness: say so, go on.
+            logger.warning("fastft: could not remove the stale conversion %s (of %s): %s", folder, source, error)
+            continue
+        logger.info("fastft: removed the stale conversion %s (of %s)", folder, source)
         removed.append(folder)
     return removed
 
