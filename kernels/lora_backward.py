@@ -54,7 +54,7 @@ class PendingLoRAGrads:
         deferred: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         # Per LoRA segment, in the order backward returns them: (j,) (no gradient wanted), (j, None) (zeros) or
-        # (j, dyb, grad, xa_i, scale); or one (_GROUPED, dyb, [grad_j], [xa_j], scale) for all of them.
+        # (j, dyb, grad, xa_i, scale); or one (_GROUPED, dyb, [grad_j], [xa_j], scale, [dyb_j]) for all of them.
         self._entries: list[tuple[Any, ...]] = []
         self._lora_a, self._lora_b, self._rows = lora_a, lora_b, spec.lora_rows
         # (sources, targets) of the gradient casts a caller does itself, for several groups at once (the casts'
@@ -79,16 +79,16 @@ class PendingLoRAGrads:
 
         for entry in self._entries:
             if entry[0] is _GROUPED:
-                _, dyb, grads, xas, scale = entry
+                _, dyb, grads, xas, scale, dyb_parts = entry
                 if all(a.dtype != dyb.dtype for a in self._lora_a):
                     # Every dA at once ([Σ r, K]); its row blocks are each cast into a tensor of its own.
                     stacked = torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale)
-                    for a, da in zip(self._lora_a, stacked.split(self._rows), strict=True):
+                    for a, da in zip(self._lora_a, torch.split_with_sizes(stacked, self._rows), strict=True):
                         keep(grad_a, da, a)
                 else:
                     # Kept as they are computed: one GEMM each, so that no two gradients share a storage (nor two
                     # outputs of a custom op alias).
-                    for a, dyb_j in zip(self._lora_a, dyb.split(self._rows, dim=1), strict=True):
+                    for a, dyb_j in zip(self._lora_a, dyb_parts, strict=True):
                         keep(grad_a, torch.addmm(zero, dyb_j.t(), x2d, beta=0, alpha=scale), a)
                 for b, grad, xa_j in zip(self._lora_b, grads, xas, strict=True):
                     keep(grad_b, torch.addmm(zero, grad.t(), xa_j, beta=0, alpha=scale), b)
@@ -206,13 +206,15 @@ def _grouped(
     first = flat[spec.lora[0]]
     dyb = torch.empty((first.shape[0], xa.shape[1]), dtype=dtype, device=first.device)
     grads = [flat[i] for i in spec.lora]
-    for grad, b, out in zip(grads, lora_b if cast_b is None else cast_b, dyb.split(spec.lora_rows, dim=1), strict=True):
+    # split_with_sizes, not Tensor.split: the same views without Tensor.split's Python wrapper.
+    dyb_parts = torch.split_with_sizes(dyb, spec.lora_rows, dim=1)
+    for grad, b, out in zip(grads, lora_b if cast_b is None else cast_b, dyb_parts, strict=True):
         torch.mm(grad, b if b.dtype == dtype else b.to(dtype), out=out)
-    xas = xa.split(spec.lora_rows, dim=1)
+    xas = torch.split_with_sizes(xa, spec.lora_rows, dim=1)
     if grad_x is not None:
         stacked = torch.cat(list(lora_a)) if cast_a is None else cast_a
         grad_x.addmm_(dyb, stacked if stacked.dtype == dtype else stacked.to(dtype), alpha=scale)
-    pending._entries.append((_GROUPED, dyb, grads, xas, scale))
+    pending._entries.append((_GROUPED, dyb, grads, xas, scale, dyb_parts))
     pending.needs_x = True
 
 

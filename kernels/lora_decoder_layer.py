@@ -53,7 +53,7 @@ class DecoderLayerSpec:
         head_dim: The attention's head_dim.
     """
 
-    __slots__ = ("frozen", "head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
+    __slots__ = ("_adapters", "frozen", "head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
 
     def __init__(self, qkv: LoRAGroup, o: LoRAGroup, mlp: LoRAMLP, input_eps: float, post_eps: float, head_dim: int):
         self.qkv, self.o, self.mlp = qkv, o, mlp
@@ -71,10 +71,12 @@ class DecoderLayerSpec:
         self.lora_cuts = tuple(cuts)
         # Every base weight and bias: the node gives them no gradient.
         self.frozen = qkv._frozen + o._frozen + mlp.gate_up._frozen + mlp.down._frozen
+        # The groups' adapter tuples are fixed when they are made: joined once, not on every call.
+        self._adapters = qkv._adapters + o._adapters + mlp._adapters
 
     def adapters(self) -> tuple[torch.Tensor, ...]:
         """Every A and B of the layer: the q / k / v group's, o's, then the MLP's (each part as it orders them)."""
-        return self.qkv._adapters + self.o._adapters + self.mlp._adapters
+        return self._adapters
 
     def lora_groups(self, adapters: Sequence[torch.Tensor]) -> list[tuple[Sequence[Any], Sequence[Any]]]:
         """``(A's, B's)`` of the q / k / v, o, gate / up and down groups, from :meth:`adapters`' tuple."""
@@ -110,7 +112,8 @@ def _forward(
     group_in = normed if dtype is None else normed.to(dtype)
     # peft's fp32 adapters over a 16-bit base: all four groups' casts in one copy (a group whose input turns out to
     # be of another dtype casts its own).
-    cast_groups(spec.lora_groups(adapters), group_in.dtype, (casts[0], casts[1], *casts[2]))
+    if any(adapter.dtype != group_in.dtype for adapter in adapters):
+        cast_groups(spec.lora_groups(adapters), group_in.dtype, (casts[0], casts[1], *casts[2]))
     with _autocast_off(x, dtype):
         query, key, value, xa_qkv = qkv_rope_forward(
             spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts[0]
@@ -273,8 +276,10 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec: DecoderLayerSpec = ctx.spec
-        saved = _Saved(*ctx.saved_tensors[: len(_Saved._fields)])
-        input_weight, post_weight, *adapters = ctx.saved_tensors[len(_Saved._fields) :]
+        # Read once: each read of ctx.saved_tensors unpacks (and version-checks) every saved tensor again.
+        everything = ctx.saved_tensors
+        saved = _Saved(*everything[: len(_Saved._fields)])
+        input_weight, post_weight, *adapters = everything[len(_Saved._fields) :]
         qkv_casts, o_casts, mlp_casts = ctx.casts
         batch, seq, hidden = ctx.shape
         needs = ctx.needs_input_grad

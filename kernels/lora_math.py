@@ -48,6 +48,9 @@ from fastft.kernels.nf4 import dequantize_nf4
 # blocksize2 (0: not double-quantised).
 LAYOUT_FIELDS = 6
 
+# Bound once: linear(x, W[, b]) is mm(x, Wᵀ) (addmm with a bias) for 2-D x, with the transpose done in C++.
+_linear = torch.nn.functional.linear
+
 
 class Spec:
     """What a group's math needs besides tensors, fixed for the group: the tuner's group name, each segment's width,
@@ -275,7 +278,7 @@ def forward(
             if casts is not None:
                 # For this node's backward (its grouped dX reads the same stack, cast or not).
                 casts["a"], casts["b"] = stacked, lora_b
-        xa = torch.mm(x2d, stacked.t())
+        xa = _linear(x2d, stacked)
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
@@ -367,7 +370,7 @@ def _dense(
         if weight.dtype != dtype:
             weight = weight.to(dtype)
         bias = None if biases is None else biases[i]
-        out = torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+        out = _linear(x2d, weight, bias)
         if j >= 0:
             out.addmm_(xa if columns is None else xa[:, columns], lora_b[j].t(), alpha=scale)
         outputs.append(out)

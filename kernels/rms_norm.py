@@ -288,24 +288,33 @@ def _reference_backward(
     cast_before_weight: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The kernel's backward math in torch, in fp32, on ``x``'s own shape (``rstd`` broadcasts as ``[..., 1]``)."""
-    x_hat = x.to(torch.float32) * rstd
-    dy32 = dy.to(torch.float32)
+    x_hat = _fp32(x) * rstd
+    dy32 = _fp32(dy)
     dx = dw = None
     if needs_dx:
-        scale = weight.to(torch.float32)
+        scale = _fp32(weight)
         if offset != 0.0:
             scale = scale + offset
         dn = dy32 * scale
         dot = (dn * x_hat).mean(-1, keepdim=True)
         # dn - x_hat * dot in one op (the product of -1 and x_hat * dot is exact).
-        dx = (torch.addcmul(dn, x_hat, dot, value=-1.0) * rstd).to(x.dtype).contiguous()
+        dx = torch.addcmul(dn, x_hat, dot, value=-1.0) * rstd
+        dx = (dx if x.dtype == torch.float32 else dx.to(x.dtype)).contiguous()
     if needs_dw:
         # d(offset + w)/dw = 1: the same dW as without the offset.
-        multiplied = x_hat.to(x.dtype).to(torch.float32) if cast_before_weight else x_hat
+        cast = cast_before_weight and x.dtype != torch.float32
+        multiplied = x_hat.to(x.dtype).to(torch.float32) if cast else x_hat
         product = dy32 * multiplied
         # sum over an empty dim list would reduce every dim: a single row is already dW.
-        dw = (product.sum(tuple(range(x.dim() - 1))) if x.dim() > 1 else product).to(weight.dtype)
+        dw = product.sum(tuple(range(x.dim() - 1))) if x.dim() > 1 else product
+        if weight.dtype != torch.float32:
+            dw = dw.to(weight.dtype)
     return dx, dw
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    # A same-dtype .to() returns t itself, after a Python call: skipped on the fp32 path, where it is every call.
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def _num_warps(block: int, backward: bool = False) -> int:

@@ -215,8 +215,10 @@ _TABLES: dict[bool, tuple[Any, ...]] = {}
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     # Always a new tensor (never x itself), so incoming gradients stay untouched and the op's outputs alias nothing.
-    xc = x.to(cos.dtype)
-    return ((xc * cos) + (xc.roll(x.shape[-1] // 2, -1) * factor)).to(x.dtype)
+    same = x.dtype == cos.dtype
+    xc = x if same else x.to(cos.dtype)
+    out = (xc * cos) + (xc.roll(x.shape[-1] // 2, -1) * factor)
+    return out if same else out.to(x.dtype)
 
 
 def _launch(

@@ -76,6 +76,37 @@ def test_checkpointing_decides_once_per_grad_mode_it_runs_under(tiny_llama_dir, 
     assert len(builds) == first
 
 
+def test_a_fused_layer_looks_up_one_plan_and_asks_again_for_a_replaced_module(model, builds, monkeypatch):
+    """A fused Llama layer keeps one plan under its attention's and MLP's stamps (fastft.patches.fused_layer): later
+    calls do not look up the attention's own plan. A new attention module holding the very same projections (equal
+    stamps) still makes the layer ask it, and that module decides for itself."""
+    import fastft.patches.fused_layer as fused_layer
+
+    asked = []
+    original = fused_layer.attention_plan
+
+    def asking(family, module):
+        asked.append(module)
+        return original(family, module)
+
+    monkeypatch.setattr(fused_layer, "attention_plan", asking)
+    _step(model).backward()
+    assert len(asked) == _layers(model)
+    loss = _step(model)
+    loss.backward()
+    assert len(asked) == _layers(model)
+
+    layer = model.base_model.model.model.layers[0]
+    replacement = copy.copy(layer.self_attn)  # shallow: the same projection objects, so the same stamps
+    del replacement.__dict__[plans._ATTRIBUTE]
+    layer.self_attn = replacement
+    before = len(builds)
+    again = _step(model)
+    assert asked[-1] is replacement
+    assert len(builds) == before + 1  # the replacement's own attention plan
+    assert torch.equal(again, loss)
+
+
 def test_a_plan_keeps_a_few_recent_decisions():
     module = torch.nn.Linear(2, 2)
     made = []

@@ -30,11 +30,10 @@ from fastft.kernels.lora_mlp import LoRAMLP
 from fastft.kernels.lora_projection import autocast_dtype
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.decoder import Family, attention_plan, mlp_plan, rms_norm_forward
+from fastft.patches.plans import group_objects, group_stamp, planned
 
-_SPEC = "_fastft_layer_spec"
 # KV-cache argument names across transformers releases (5.24, 4.56–5.23, 4.53–4.55).
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _module = torch.nn.modules.module
 _GLOBAL_HOOKS = (
     _module._global_forward_hooks,
@@ -65,15 +64,19 @@ def returns_tuple() -> bool:
 def _plain(module: torch.nn.Module) -> bool:
     """No hook and no instance-level forward (accelerate's device hooks set one) on ``module``."""
     state = module.__dict__
-    return not any(state[name] for name in _HOOKS) and "forward" not in state and "_hf_hook" not in state
+    # Spelled out rather than any() over a tuple of names: five of these run per layer per call.
+    return not (
+        state["_forward_hooks"]
+        or state["_forward_pre_hooks"]
+        or state["_backward_hooks"]
+        or state["_backward_pre_hooks"]
+        or "forward" in state
+        or "_hf_hook" in state
+    )
 
 
-def _spec(layer: torch.nn.Module, family: Family, attention: Any, mlp: Any) -> DecoderLayerSpec | None:
-    """The layer's node spec for these plans (kept on the layer while the plans are the same objects), or None when
-    a part is not fused."""
-    kept = layer.__dict__.get(_SPEC)
-    if kept is not None and kept[0] is attention and kept[1] is mlp:
-        return kept[2]
+def _spec(layer: torch.nn.Module, attention: Any, mlp: Any) -> DecoderLayerSpec | None:
+    """The layer's node spec for these plans, or None when a part is not fused."""
     spec = None
     if (
         attention.rotary is not None
@@ -91,9 +94,33 @@ def _spec(layer: torch.nn.Module, family: Family, attention: Any, mlp: Any) -> D
             modules["post_attention_layernorm"].variance_epsilon,
             modules["self_attn"].head_dim,
         )
-    # Kept with the plans it was made from, so it goes when either plan is decided again.
-    layer.__dict__[_SPEC] = (attention, mlp, spec)
     return spec
+
+
+def _layer_plan(
+    layer: torch.nn.Module, family: Family, attention_module: torch.nn.Module, mlp_module: torch.nn.Module
+) -> tuple[tuple[Any, DecoderLayerSpec | None], list[Any]]:
+    """``((attention plan, node spec or None), objects to keep alive)``: what :func:`planned` keeps on the layer.
+
+    The attention and MLP modules' own plans decide; the layer keeps their answer under the union of their stamps,
+    so a call compares one stamp instead of looking up two plans and checking the spec against both."""
+    attention = attention_plan(family, attention_module)
+    spec = _spec(layer, attention, mlp_plan(family, mlp_module))
+    keep = [attention_module, mlp_module, *group_objects(attention_module, family.qkv + family.o)]
+    return (attention, spec), keep + group_objects(mlp_module, family.mlp)
+
+
+def _layer_stamp(family: Family, attention_module: torch.nn.Module, mlp_module: torch.nn.Module) -> tuple[Any, ...]:
+    """What :func:`attention_plan` and :func:`mlp_plan` stamp, together, and which modules they were asked about (their
+    plans live on them): equal stamps give the same plans."""
+    return (
+        id(attention_module),
+        id(mlp_module),
+        torch.is_grad_enabled(),
+        attention_module.config._attn_implementation,
+        group_stamp(attention_module, family.qkv + family.o),
+        group_stamp(mlp_module, family.mlp),
+    )
 
 
 def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: bool = False) -> Callable[..., Any]:
@@ -152,8 +179,11 @@ def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: b
         cos, sin = position_embeddings
         if cos.shape[-1] != attention_module.head_dim or cos.requires_grad or sin.requires_grad:
             return None
-        attention = attention_plan(family, attention_module)
-        spec = _spec(self, family, attention, mlp_plan(family, mlp_module))
+        attention, spec = planned(
+            self,
+            _layer_stamp(family, attention_module, mlp_module),
+            lambda: _layer_plan(self, family, attention_module, mlp_module),
+        )
         if spec is None:
             return None
         mask = named.get("attention_mask")
