@@ -96,11 +96,14 @@ def _forward(
     adapters: Sequence[torch.Tensor],
     dtype: torch.dtype | None,
     ctx: Any,
+    output: bool = True,
 ) -> torch.Tensor:
     """The layer's output; with ``ctx`` (an autograd context) also what the backward needs, saved on it.
 
     ``dtype``: the autocast dtype (None without autocast). Each part then runs as its own node would: the norms and
     the attention under the caller's autocast, the projection groups with autocast off on inputs cast to ``dtype``.
+    With ``output`` False (a recompute for the backward alone, with ``ctx``) the layer stops at the last tensor the
+    backward reads and returns an uninitialised tensor of the output's shape.
     """
     (cos, sin), (input_weight, post_weight) = tables, norms
     batch, seq, hidden = x.shape
@@ -137,8 +140,13 @@ def _forward(
     post_normed, post_rstd = rms_norm_forward(hidden_states, post_weight, spec.post_eps, 0.0, True)
     mlp_in = post_normed if dtype is None else post_normed.to(dtype)
     with _autocast_off(x, dtype):
-        mlp_out, mlp_saved = mlp_forward(spec.mlp, mlp_in, mlp_adapters, casts[2])
-    out = hidden_states + mlp_out
+        mlp_out, mlp_saved = mlp_forward(spec.mlp, mlp_in, mlp_adapters, casts[2], output)
+    if mlp_out is not None:
+        out = hidden_states + mlp_out
+    else:
+        # The backward never reads the output: a recompute for it skips the down GEMM and the residual add. The MLP
+        # writes in its input's dtype, so this is the dtype the add would have given.
+        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.promote_types(hidden_states.dtype, mlp_in.dtype))
 
     if ctx is not None:
         ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
@@ -378,7 +386,31 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
         )
 
 
+class LoRADecoderLayerRecompute(LoRADecoderLayerFunction):
+    """:class:`LoRADecoderLayerFunction` for a checkpointed layer's recompute, whose output only carries the node to
+    the backward: the same saved tensors and backward, but the forward stops at the last tensor the backward reads
+    (the down projection's ``H A_downᵀ``), and the output's values are left uninitialised. That skips the largest GEMM
+    of the MLP on every recomputed layer of every step."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        spec: DecoderLayerSpec,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        dtype: torch.dtype | None,
+        input_weight: torch.Tensor,
+        post_weight: torch.Tensor,
+        *adapters: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.tensor_inputs = _TENSOR_ARGUMENTS + (True,) * len(adapters)
+        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, ctx, False)
+
+
 _apply = direct_apply(LoRADecoderLayerFunction)
+_apply_recompute = direct_apply(LoRADecoderLayerRecompute)
 
 
 def lora_decoder_layer(
@@ -415,4 +447,37 @@ def lora_decoder_layer(
     return _apply(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *adapters)
 
 
-__all__ = ["DecoderLayerSpec", "LoRADecoderLayerFunction", "lora_decoder_layer"]
+def lora_decoder_layer_recompute(
+    spec: DecoderLayerSpec,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+    input_weight: torch.Tensor,
+    post_weight: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`lora_decoder_layer`'s node for a recompute that only runs its backward (a checkpointed layer's): the
+    returned tensor has the node as its ``grad_fn`` and the output's shape, but its values are not computed.
+
+    Arguments as :func:`lora_decoder_layer`'s.
+
+    Raises:
+        RuntimeError: Grad mode is off: without a node to run backward through, the call would compute nothing
+            anyone could read (call :func:`lora_decoder_layer` for the output).
+    """
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "fastft lora_decoder_layer_recompute: called with grad mode off. It builds the layer's node for a "
+            "backward and leaves the output's values uncomputed; call lora_decoder_layer for the layer's output."
+        )
+    return _apply_recompute(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *spec.adapters())
+
+
+__all__ = [
+    "DecoderLayerSpec",
+    "LoRADecoderLayerFunction",
+    "LoRADecoderLayerRecompute",
+    "lora_decoder_layer",
+    "lora_decoder_layer_recompute",
+]

@@ -264,25 +264,50 @@ def forward(
     node holding several groups cast them all at once: :func:`cast_groups`) are used as they are; ``casts["grads"]``
     (``(sources, targets)`` lists), where present, takes the LoRA gradients' casts for that node to do at once."""
     dtype = x2d.dtype
-    xa = None
-    if spec.lora:
-        done = None if casts is None else casts.get("a")
-        if done is not None and done.dtype == dtype:
-            # Cast ahead by the node that holds this group (cast_groups: one copy for all its groups).
-            stacked, lora_b = done, casts["b"]
-        else:
-            if any(a.dtype != dtype for a in lora_a) or any(b.dtype != dtype for b in lora_b):
-                stacked, lora_b = cast_adapters(lora_a, lora_b, dtype)
-            else:
-                stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
-            if casts is not None:
-                # For this node's backward (its grouped dX reads the same stack, cast or not).
-                casts["a"], casts["b"] = stacked, lora_b
-        xa = _linear(x2d, stacked)
+    xa, lora_b = _xa(spec, x2d, lora_a, lora_b, casts)
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
     return run(candidate, spec, x2d, weights, quant_states, xa, lora_b, biases), xa
+
+
+def forward_xa(
+    spec: Spec,
+    x2d: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    casts: dict[str, Any] | None = None,
+) -> torch.Tensor | None:
+    """What a group's backward reads from :func:`forward` besides its input: ``xa = X [A_0; A_1; …]ᵀ`` (None
+    without LoRA), with ``casts`` filled as :func:`forward` fills them, and no output GEMM. For a recompute whose
+    outputs nothing reads: the last group of a checkpointed decoder layer."""
+    return _xa(spec, x2d, lora_a, lora_b, casts)[0]
+
+
+def _xa(
+    spec: Spec,
+    x2d: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    casts: dict[str, Any] | None,
+) -> tuple[torch.Tensor | None, Sequence[torch.Tensor]]:
+    """``(xa, the B's in x's dtype)`` of :func:`forward` (``(None, lora_b)`` without LoRA)."""
+    if not spec.lora:
+        return None, lora_b
+    dtype = x2d.dtype
+    done = None if casts is None else casts.get("a")
+    if done is not None and done.dtype == dtype:
+        # Cast ahead by the node that holds this group (cast_groups: one copy for all its groups).
+        stacked, lora_b = done, casts["b"]
+    else:
+        if any(a.dtype != dtype for a in lora_a) or any(b.dtype != dtype for b in lora_b):
+            stacked, lora_b = cast_adapters(lora_a, lora_b, dtype)
+        else:
+            stacked = lora_a[0] if len(lora_a) == 1 else torch.cat(lora_a)
+        if casts is not None:
+            # For this node's backward (its grouped dX reads the same stack, cast or not).
+            casts["a"], casts["b"] = stacked, lora_b
+    return _linear(x2d, stacked), lora_b
 
 
 def cast_adapters(

@@ -240,13 +240,18 @@ def _split_adapters(mlp: LoRAMLP, adapters: Sequence[torch.Tensor]) -> tuple[Seq
 
 
 def mlp_forward(
-    mlp: LoRAMLP, x2d: torch.Tensor, adapters: Sequence[torch.Tensor], casts: tuple[dict[str, Any], dict[str, Any]]
-) -> tuple[torch.Tensor, Saved]:
+    mlp: LoRAMLP,
+    x2d: torch.Tensor,
+    adapters: Sequence[torch.Tensor],
+    casts: tuple[dict[str, Any], dict[str, Any]],
+    output: bool = True,
+) -> tuple[torch.Tensor | None, Saved]:
     """The node's forward math (shared with :mod:`fastft.kernels.lora_decoder_layer`): ``(out [M, hidden], saved)``
-    for ``x2d [M, hidden]``; ``adapters`` as :attr:`LoRAMLP._adapters` orders them, ``casts`` kept for the backward."""
+    for ``x2d [M, hidden]``; ``adapters`` as :attr:`LoRAMLP._adapters` orders them, ``casts`` kept for the backward.
+    With ``output`` False, ``out`` is None and only ``saved`` is computed (:func:`lora_mlp_math.forward`)."""
     gate_up, down = _split_adapters(mlp, adapters)
     out, xa_gate_up, gate, up, xa_down = lora_mlp_math.forward(
-        mlp.gate_up._spec, mlp.down._spec, x2d, gate_up, down, mlp.activation, casts
+        mlp.gate_up._spec, mlp.down._spec, x2d, gate_up, down, mlp.activation, casts, output
     )
     return out, (xa_gate_up, gate, up, xa_down)
 

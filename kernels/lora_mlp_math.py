@@ -79,9 +79,13 @@ def forward(
     down_tensors: Tensors,
     activation: str,
     casts: tuple[dict[str, Any], dict[str, Any]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(out [M, hidden], xa_gate_up, gate [M, I], up [M, I], xa_down)`` for ``x2d [M, hidden]``. ``casts``: the
-    two groups' adapter casts, kept for the eager node's backward (:func:`fastft.kernels.lora_math.forward`)."""
+    two groups' adapter casts, kept for the eager node's backward (:func:`fastft.kernels.lora_math.forward`).
+
+    With ``output`` False, ``out`` is None and only what the backward reads is computed: no down GEMM (the largest
+    of the MLP's three), and no ``H`` at all where down has no LoRA (the backward recomputes H for itself)."""
     gate_up_casts, down_casts = casts or (None, None)
     outputs, xa_gate_up = lora_math.forward(gate_up, x2d, *gate_up_tensors, gate_up_casts)
     if len(outputs) == 2:
@@ -90,6 +94,12 @@ def forward(
         # A packed gate_up (Phi-3): rows of gate, then of up. The gate kernel reads (and backward writes) contiguous
         # halves; clone, not contiguous(): with one row a half is already contiguous and would alias the other.
         gate, up = (half.clone(memory_format=torch.contiguous_format) for half in outputs[0].chunk(2, dim=1))
+    if not output:
+        if not down.lora:
+            return None, xa_gate_up, gate, up, None
+        _, _, lora_a, lora_b, _ = down_tensors
+        hidden = ACTIVATIONS[activation][0](gate, up)
+        return None, xa_gate_up, gate, up, lora_math.forward_xa(down, hidden, lora_a, lora_b, down_casts)
     hidden = ACTIVATIONS[activation][0](gate, up)
     (out,), xa_down = lora_math.forward(down, hidden, *down_tensors, down_casts)
     return out, xa_gate_up, gate, up, xa_down

@@ -146,9 +146,9 @@ def test_checkpointing_adds_the_recompute_and_next_to_no_op_of_its_own(folder, m
     original = _CheckpointedLayer.backward
 
     def counting(ctx, *grads):
-        # The recompute runs the layer's rerun where its forward offered one, else the layer call itself.
+        # The recompute runs the layer's rerun for the backward where its forward offered one, else the layer call.
         call = ctx.call
-        name = "function" if call.rerun is None else "rerun"
+        name = "function" if call.backward_rerun is None else "backward_rerun"
         function = getattr(call, name)
 
         def counted(*args, **kwargs):

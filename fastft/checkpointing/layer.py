@@ -320,6 +320,8 @@ class _LayerCall:
         # The layer's own shortcut for running this call again (fastft.checkpointing.rerun), heard in the forward.
         self.listens = self.count == 1 and self.positions is None and not keyword_paths
         self.rerun: Rerun | None = None
+        # The same for the backward's recompute, which reads only the output's grad_fn (fastft.checkpointing.rerun).
+        self.backward_rerun: Rerun | None = None
         # Taken before the forward runs, so the recompute draws the same dropout masks. A layer called without a
         # positional tensor still runs where its parameters are.
         self.state = ForwardState(tensors if tensors else parameters[:1])
@@ -390,7 +392,9 @@ class _CheckpointedLayer(torch.autograd.Function):
                 stop(slot)
         flat, call.rebuild = _flatten(outputs, call.owner)
         if slot is not None and len(flat) == 1:
-            call.rerun = slot.taken_for(inputs[0])
+            taken = slot.taken_for(inputs[0])
+            if taken is not None:
+                call.rerun, call.backward_rerun = taken
         call.previous = call.engine.follow(call.slot, call)
         # Packed by the caller's hooks, or parked in host memory by call.park (LayerCheckpoint.__call__).
         ctx.save_for_backward(*inputs)
@@ -412,8 +416,9 @@ class _CheckpointedLayer(torch.autograd.Function):
             path: _keyword(call.function, path).detach().requires_grad_(True) for path in call.keyword_paths
         }
         with torch.enable_grad(), call.state.replayed():
-            if call.rerun is not None:
-                flat = [call.rerun(leaves[0])]
+            if call.backward_rerun is not None:
+                # Its output's values are not computed: nothing below reads them, only its grad_fn.
+                flat = [call.backward_rerun(leaves[0])]
             else:
                 function = _with_keywords(call.function, keyword_leaves)
                 flat = _tensors_of(function(*call.arguments(leaves)), call.owner)

@@ -13,6 +13,11 @@ forward as before.
 Whoever offers answers for the rerun computing what its forward would compute in the recompute (with autograd on):
 the fused layer offers only when no frozen weight needs a gradient and nothing hooks the layer, which are the
 conditions under which its forward would take the same path again.
+
+An offer may come with a second callable for the backward's recompute alone: it builds the same node with the same
+gradients, but its output's values are never read there (only its ``grad_fn`` is), so it need not compute them. The
+fused layer's skips its down projection's GEMM and last residual add that way. The ``"sqrt"`` replay, which reads the
+output as the next layer's input, keeps the full rerun.
 """
 
 from __future__ import annotations
@@ -28,16 +33,20 @@ Rerun = Callable[[torch.Tensor], torch.Tensor]
 class RerunSlot:
     """What one checkpointed call heard while its forward ran: the input an offer was made for and the offer."""
 
-    __slots__ = ("offers", "rerun", "source")
+    __slots__ = ("for_backward", "offers", "rerun", "source")
 
     def __init__(self) -> None:
         self.source: torch.Tensor | None = None
         self.rerun: Rerun | None = None
+        self.for_backward: Rerun | None = None
         self.offers = 0
 
-    def taken_for(self, tensor: torch.Tensor) -> Rerun | None:
-        """The offer, when exactly one came and it was for ``tensor`` itself."""
-        return self.rerun if self.offers == 1 and self.source is tensor else None
+    def taken_for(self, tensor: torch.Tensor) -> tuple[Rerun, Rerun] | None:
+        """``(rerun, rerun for the backward alone)`` of the offer, when exactly one came and it was for ``tensor``
+        itself (both the same callable where the offer had no second one)."""
+        if self.offers != 1 or self.source is not tensor or self.rerun is None:
+            return None
+        return self.rerun, self.for_backward or self.rerun
 
 
 class _Listeners(threading.local):
@@ -66,16 +75,21 @@ def listening() -> bool:
     return bool(_LISTENERS.slots)
 
 
-def offer(source: torch.Tensor, rerun: Rerun) -> None:
+def offer(source: torch.Tensor, rerun: Rerun, for_backward: Rerun | None = None) -> None:
     """Offer ``rerun`` (``rerun(x)`` computes what the current call computes from ``source``, for ``x`` in its
     place) to the innermost listening checkpointer. A second offer in the same call withdraws both: the call did more
-    than one node's work, and only its forward knows how to repeat it."""
+    than one node's work, and only its forward knows how to repeat it.
+
+    ``for_backward(x)``, where given, builds the same autograd node over ``x`` with grad mode on, for a recompute
+    that only runs the backward through it: its output's ``grad_fn`` must be that node and its shape and dtype the
+    output's, but its values may be left uncomputed."""
     slots = _LISTENERS.slots
     if slots:
         slot = slots[-1]
         slot.offers += 1
         # Kept only while it is the one offer; a second one drops the first's references at once.
-        slot.source, slot.rerun = (source, rerun) if slot.offers == 1 else (None, None)
+        first = slot.offers == 1
+        slot.source, slot.rerun, slot.for_backward = (source, rerun, for_backward) if first else (None, None, None)
 
 
 __all__ = ["Rerun", "RerunSlot", "listen", "listening", "offer", "stop"]
