@@ -259,11 +259,9 @@ class _Saved(NamedTuple):
 _TENSOR_ARGUMENTS = (True, False, True, True, False, False, True, True)
 
 
-class LoRADecoderLayerFunction(torch.autograd.Function):
-    """Eager node of :func:`lora_decoder_layer`: arguments ``(x, spec, cos, sin, attend, dtype, input_weight,
-    post_weight, *adapters)``, output the layer's hidden states."""
+def _node_forward(output: bool) -> Any:
+    """The nodes' ``forward``: the layer's output, or (``output`` False) only what the backward reads."""
 
-    @staticmethod
     def forward(
         ctx: Any,
         x: torch.Tensor,
@@ -278,7 +276,16 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         # Which arguments are tensors (the node's edges): fastft's checkpointer calls this node by hand.
         ctx.tensor_inputs = _TENSOR_ARGUMENTS + (True,) * len(adapters)
-        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, ctx)
+        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, ctx, output)
+
+    return staticmethod(forward)
+
+
+class LoRADecoderLayerFunction(torch.autograd.Function):
+    """Eager node of :func:`lora_decoder_layer`: arguments ``(x, spec, cos, sin, attend, dtype, input_weight,
+    post_weight, *adapters)``, output the layer's hidden states."""
+
+    forward = _node_forward(True)
 
     @staticmethod
     @once_differentiable
@@ -392,21 +399,7 @@ class LoRADecoderLayerRecompute(LoRADecoderLayerFunction):
     (the down projection's ``H A_downᵀ``), and the output's values are left uninitialised. That skips the largest GEMM
     of the MLP on every recomputed layer of every step."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        spec: DecoderLayerSpec,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attend: Attend,
-        dtype: torch.dtype | None,
-        input_weight: torch.Tensor,
-        post_weight: torch.Tensor,
-        *adapters: torch.Tensor,
-    ) -> torch.Tensor:
-        ctx.tensor_inputs = _TENSOR_ARGUMENTS + (True,) * len(adapters)
-        return _forward(spec, x, (cos, sin), attend, (input_weight, post_weight), adapters, dtype, ctx, False)
+    forward = _node_forward(False)
 
 
 _apply = direct_apply(LoRADecoderLayerFunction)
@@ -422,6 +415,7 @@ def lora_decoder_layer(
     input_weight: torch.Tensor,
     post_weight: torch.Tensor,
     dtype: torch.dtype | None = None,
+    output: bool = True,
 ) -> torch.Tensor:
     """A Llama-shaped decoder layer (``x + o(attn(rope(qkv(norm(x)))))``, then ``h + mlp(norm(h))``) as one node.
 
@@ -435,11 +429,25 @@ def lora_decoder_layer(
         input_weight: ``input_layernorm``'s weight (Llama's RMSNorm); gets a gradient when it requires one.
         post_weight: ``post_attention_layernorm``'s weight.
         dtype: The autocast dtype the caller runs under, or None.
+        output: False for a recompute that only runs the node's backward (a checkpointed layer's): the returned
+            tensor then has the node as its ``grad_fn`` and the output's shape and dtype, but its values are not
+            computed (:class:`LoRADecoderLayerRecompute`).
 
     Returns:
         The layer's output ``[batch, seq, hidden]``, equal to the separate fused nodes' output, with gradients for
         x, both norm weights (where they require grad) and every A and B.
+
+    Raises:
+        RuntimeError: ``output`` is False with grad mode off: with no node to run a backward through, the call would
+            compute nothing anyone could read.
     """
+    if not output:
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "fastft lora_decoder_layer: output=False called with grad mode off. It builds the layer's node for "
+                "a backward and leaves the output's values uncomputed; call it with output=True for the output."
+            )
+        return _apply_recompute(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *spec.adapters())
     adapters = spec.adapters()
     if not torch.is_grad_enabled():
         # Nothing will be recorded (checkpointing's forward, a replay, evaluation): the same math, nothing kept.
@@ -447,37 +455,9 @@ def lora_decoder_layer(
     return _apply(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *adapters)
 
 
-def lora_decoder_layer_recompute(
-    spec: DecoderLayerSpec,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    attend: Attend,
-    input_weight: torch.Tensor,
-    post_weight: torch.Tensor,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """:func:`lora_decoder_layer`'s node for a recompute that only runs its backward (a checkpointed layer's): the
-    returned tensor has the node as its ``grad_fn`` and the output's shape, but its values are not computed.
-
-    Arguments as :func:`lora_decoder_layer`'s.
-
-    Raises:
-        RuntimeError: Grad mode is off: without a node to run backward through, the call would compute nothing
-            anyone could read (call :func:`lora_decoder_layer` for the output).
-    """
-    if not torch.is_grad_enabled():
-        raise RuntimeError(
-            "fastft lora_decoder_layer_recompute: called with grad mode off. It builds the layer's node for a "
-            "backward and leaves the output's values uncomputed; call lora_decoder_layer for the layer's output."
-        )
-    return _apply_recompute(x, spec, cos, sin, attend, dtype, input_weight, post_weight, *spec.adapters())
-
-
 __all__ = [
     "DecoderLayerSpec",
     "LoRADecoderLayerFunction",
     "LoRADecoderLayerRecompute",
     "lora_decoder_layer",
-    "lora_decoder_layer_recompute",
 ]

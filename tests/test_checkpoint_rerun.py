@@ -4,8 +4,8 @@ The fused Llama layer offers its node, plan and arguments to the listening check
 the layer's forward (argument binding, hook checks, seven projection stamps) then runs once per layer and step, and
 the kernel as often as before. Where the recompute has to go through the forward again (a hook on the layer, a
 trainable base weight) no offer is made, and the forward runs as it did. The backward's recompute builds the node
-without computing its output (lora_decoder_layer_recompute): nothing reads it, so the down projection's GEMM is not
-run a third time.
+without computing its output (lora_decoder_layer(..., output=False)): nothing reads it, so the down projection's GEMM
+is not run a third time.
 """
 
 from __future__ import annotations
@@ -54,23 +54,17 @@ def runs(monkeypatch):
     the backward-only recompute built it."""
     counts = {"forward": 0, "node": 0, "recompute": 0}
     plan, node = fused_layer.attention_plan, fused_layer.lora_decoder_layer
-    recompute = fused_layer.lora_decoder_layer_recompute
 
     def counted_plan(*args, **kwargs):
         counts["forward"] += 1
         return plan(*args, **kwargs)
 
     def counted_node(*args, **kwargs):
-        counts["node"] += 1
+        counts["node" if kwargs.get("output", True) else "recompute"] += 1
         return node(*args, **kwargs)
-
-    def counted_recompute(*args, **kwargs):
-        counts["recompute"] += 1
-        return recompute(*args, **kwargs)
 
     monkeypatch.setattr(fused_layer, "attention_plan", counted_plan)
     monkeypatch.setattr(fused_layer, "lora_decoder_layer", counted_node)
-    monkeypatch.setattr(fused_layer, "lora_decoder_layer_recompute", counted_recompute)
     return counts
 
 
@@ -231,8 +225,8 @@ def test_the_backward_recompute_skips_the_down_projection_gemm(folder, mode, per
 
 
 def test_the_backward_only_node_refuses_to_run_without_grad():
-    from fastft.kernels.lora_decoder_layer import lora_decoder_layer_recompute
+    from fastft.kernels.lora_decoder_layer import lora_decoder_layer
 
     x = torch.ones(1, 2, 4)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="grad mode off.*call lora_decoder_layer"):
-        lora_decoder_layer_recompute(None, x, x, x, None, x, x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="output=False called with grad mode off"):
+        lora_decoder_layer(None, x, x, x, None, x, x, output=False)

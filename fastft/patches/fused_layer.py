@@ -24,7 +24,7 @@ import torch
 
 from fastft.checkpointing.rerun import listening, offer
 from fastft.kernels.custom_ops import compiling
-from fastft.kernels.lora_decoder_layer import DecoderLayerSpec, lora_decoder_layer, lora_decoder_layer_recompute
+from fastft.kernels.lora_decoder_layer import DecoderLayerSpec, lora_decoder_layer
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_mlp import LoRAMLP
 from fastft.kernels.lora_projection import autocast_dtype
@@ -212,7 +212,7 @@ def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: b
         if listening() and _plain(self) and not any(tensor.requires_grad for tensor in spec.frozen):
             # The checkpointer's recompute (autograd on) would come back here and make this same call: a trainable
             # frozen weight would send it elsewhere, and a hook on the layer would have to run again.
-            offer(hidden_states, run, functools.partial(lora_decoder_layer_recompute, spec, **run.keywords))
+            offer(hidden_states, run, functools.partial(run, output=False))
         return run(hidden_states)
 
     forward.__signature__ = signature
