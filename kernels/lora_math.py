@@ -264,7 +264,7 @@ def forward(
     node holding several groups cast them all at once: :func:`cast_groups`) are used as they are; ``casts["grads"]``
     (``(sources, targets)`` lists), where present, takes the LoRA gradients' casts for that node to do at once."""
     dtype = x2d.dtype
-    xa, lora_b = _xa(spec, x2d, lora_a, lora_b, casts)
+    xa, lora_b = forward_xa(spec, x2d, lora_a, lora_b, casts)
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
@@ -277,21 +277,11 @@ def forward_xa(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     casts: dict[str, Any] | None = None,
-) -> torch.Tensor | None:
-    """What a group's backward reads from :func:`forward` besides its input: ``xa = X [A_0; A_1; …]ᵀ`` (None
-    without LoRA), with ``casts`` filled as :func:`forward` fills them, and no output GEMM. For a recompute whose
-    outputs nothing reads: the last group of a checkpointed decoder layer."""
-    return _xa(spec, x2d, lora_a, lora_b, casts)[0]
-
-
-def _xa(
-    spec: Spec,
-    x2d: torch.Tensor,
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    casts: dict[str, Any] | None,
 ) -> tuple[torch.Tensor | None, Sequence[torch.Tensor]]:
-    """``(xa, the B's in x's dtype)`` of :func:`forward` (``(None, lora_b)`` without LoRA)."""
+    """The first half of :func:`forward`: ``(xa, the B's in x's dtype)``, ``xa = X [A_0; A_1; …]ᵀ`` (``(None,
+    lora_b)`` without LoRA), with ``casts`` filled as :func:`forward` fills them. Alone, it is what a group's
+    backward reads besides its input, without the output GEMM: for a recompute whose outputs nothing reads (the last
+    group of a checkpointed decoder layer)."""
     if not spec.lora:
         return None, lora_b
     dtype = x2d.dtype

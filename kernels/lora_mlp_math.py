@@ -94,13 +94,12 @@ def forward(
         # A packed gate_up (Phi-3): rows of gate, then of up. The gate kernel reads (and backward writes) contiguous
         # halves; clone, not contiguous(): with one row a half is already contiguous and would alias the other.
         gate, up = (half.clone(memory_format=torch.contiguous_format) for half in outputs[0].chunk(2, dim=1))
-    if not output:
-        if not down.lora:
-            return None, xa_gate_up, gate, up, None
-        _, _, lora_a, lora_b, _ = down_tensors
-        hidden = ACTIVATIONS[activation][0](gate, up)
-        return None, xa_gate_up, gate, up, lora_math.forward_xa(down, hidden, lora_a, lora_b, down_casts)
+    if not output and not down.lora:
+        return None, xa_gate_up, gate, up, None
     hidden = ACTIVATIONS[activation][0](gate, up)
+    if not output:
+        _, _, lora_a, lora_b, _ = down_tensors
+        return None, xa_gate_up, gate, up, lora_math.forward_xa(down, hidden, lora_a, lora_b, down_casts)[0]
     (out,), xa_down = lora_math.forward(down, hidden, *down_tensors, down_casts)
     return out, xa_gate_up, gate, up, xa_down
 
