@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import assert_same_loss_and_grads, randomize_lora_b, save_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from fastft import FastModel
 from fastft.checkpointing.layer import _CheckpointedLayer
@@ -69,6 +70,21 @@ def test_recompute_runs_on_fastfts_checkpointer_with_the_gradients_of_no_checkpo
     # The recompute ran under the forward's RNG state and then gave the caller's back: with dropout the step leaves
     # the generator where a step without checkpointing leaves it.
     assert torch.equal(actual[2], expected[2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_flop_count_of_a_checkpointed_step_runs_and_changes_no_gradient(folder, mode):
+    # FlopCounterMode's module tracker hooks every module's inputs; inside the checkpointer's torch.autograd.grad
+    # those hooks once asked the engine about a leaf and torch raised ("A leaf node was passed to
+    # _will_engine_execute_node ...").
+    expected = _step(_model(folder, False))
+    with FlopCounterMode(display=False) as plain:
+        _step(_model(folder, False))
+    with FlopCounterMode(display=False) as counted:
+        actual = _step(_model(folder, mode))
+    assert_same_loss_and_grads(expected, actual)
+    # The recompute's forward is counted on top of the step's own.
+    assert counted.get_total_flops() > plain.get_total_flops() > 0
 
 
 @pytest.mark.lane

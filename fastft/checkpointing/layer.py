@@ -34,6 +34,7 @@ from fastft.checkpointing.router_logits import layer_routers, recording_router_l
 from fastft.kernels.custom_ops import direct_apply
 
 _Path = tuple[str, "int | None"]
+_module = torch.nn.modules.module
 _WALK_ATTR = "_fastft_layer_parameters"
 
 
@@ -421,7 +422,13 @@ class _CheckpointedLayer(torch.autograd.Function):
                 flat = [call.backward_rerun(leaves[0])]
             else:
                 function = _with_keywords(call.function, keyword_leaves)
-                flat = _tensors_of(function(*call.arguments(leaves)), call.owner)
+                fed = leaves
+                if _module._global_forward_pre_hooks or _module._global_forward_hooks:
+                    # A global module hook (torch's ModuleTracker, which FlopCounterMode uses) registers multi-grad
+                    # hooks on the layer's inputs, which ask the engine about the inputs' nodes; asked about a leaf
+                    # inside torch.autograd.grad below, the engine raises. A view is no leaf.
+                    fed = [leaf.view_as(leaf) if leaf.requires_grad else leaf for leaf in leaves]
+                flat = _tensors_of(function(*call.arguments(fed)), call.owner)
         pairs = [(out, grad) for out, grad in zip(flat, grads, strict=True) if grad is not None and out.requires_grad]
         targets = [leaf for leaf in leaves if leaf.requires_grad] + list(keyword_leaves.values()) + call.parameters
         found: Sequence[torch.Tensor | None] = [None] * len(targets)
