@@ -30,6 +30,11 @@ torch.set_num_threads(1)
 # The registry imports no patch; fastft.patches registers the built-in ones (what fastft.model does on import).
 import fastft.patches  # noqa: E402, F401
 
+if os.environ["TRITON_INTERPRET"] == "1":
+    from interpreter_speed import install as _install_interpreter_speed  # noqa: E402
+
+    _install_interpreter_speed()
+
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
