@@ -12,8 +12,8 @@ from fastft._version import __version__
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    from fastft.training.data import METHODS
-    from fastft.training.train import TrainOptions
+    # The light module: --help and --version must not import torch, transformers, peft and trl first.
+    from fastft.training.options import METHODS, TrainOptions
 
     defaults = {field.name: field.default for field in fields(TrainOptions) if field.name != "output"}
     parser = sub.add_parser(
@@ -114,7 +114,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export_parser(sub: argparse._SubParsersAction) -> None:
-    from fastft.export.gguf_export import QUANTIZATIONS
+    # gguf_export's QUANTIZATIONS are these names; gguf_mixtures imports no torch (the parser is built for --help).
+    from fastft.export.gguf_mixtures import FILE_TYPES as QUANTIZATIONS
 
     parser = sub.add_parser(
         "export",

@@ -52,6 +52,15 @@ def test_version_flag(tmp_path):
 
     result = _run([*FASTFT, "--version"], tmp_path, timeout=120)
     assert result.stdout.strip() == f"fastft {__version__}"
+    # --version and every --help are built without the training libraries, whose import takes 13 s here.
+    probe = (
+        "import sys\nfrom fastft.cli import main\n"
+        "for argv in (['--version'], ['train', '--help'], ['export', '--help'], ['bench', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print('loaded:', sorted(m for m in ('transformers', 'peft', 'trl', 'datasets') if m in sys.modules))"
+    )
+    result = _run([sys.executable, "-c", probe], tmp_path, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("loaded: []"), result.stdout + result.stderr
 
 
 def _wait_for_complete_checkpoint(output: Path, process: subprocess.Popen, timeout: float = 600) -> Path:

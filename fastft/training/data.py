@@ -11,8 +11,7 @@ from datasets import Dataset, load_dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
 from fastft.demo import demo_path, preferences_path
-
-METHODS = ("sft", "dpo", "kto", "grpo")
+from fastft.training.options import METHODS
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 _FORMATS = (

@@ -10,7 +10,7 @@ import re
 import time
 import warnings
 from collections.abc import Sized
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from fastft.model import FastModel, keep_trainable_fp32, resolve_dtype
 from fastft.training.checks import OptionsError, check_json_lines, check_model, check_numbers, check_rows
 from fastft.training.data import METHODS, DataError, load_rows, prepare_rows
 from fastft.training.model_card import model_card
+from fastft.training.options import TrainOptions
 from fastft.training.plot import plot_loss
 from fastft.training.trl import (
     StopOnSignal,
@@ -45,38 +46,6 @@ VERSIONED = ("fastft", "torch", "transformers", "peft", "trl", "accelerate", "da
 # The logged number that shows a preference / RL run learning: DPO's and KTO's reward margin (chosen minus rejected
 # implicit reward), GRPO's mean reward.
 WATCHED = {"dpo": "rewards/margins", "kto": "rewards/margins", "grpo": "reward"}
-
-
-@dataclass
-class TrainOptions:
-    """Settings of one ``fastft train`` run (the command's flags)."""
-
-    output: str
-    model: str = "smollm2-135m"
-    method: str = "sft"
-    data: str | None = None
-    max_steps: int = 60
-    epochs: float = 1.0
-    lr: float = 2e-4
-    r: int = 16
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    seq_len: int = 256
-    batch_size: int = 4
-    grad_accum: int = 1
-    load_in_4bit: bool = False
-    dtype: str | None = None
-    gradient_checkpointing: str = "offload"
-    compile: bool = False
-    warmup_steps: int = 2
-    save_steps: int = 10
-    seed: int = 3407
-    tokenizer: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    beta: float = 0.1
-    num_generations: int = 4
-    max_completion_length: int = 64
 
 
 def versions() -> dict[str, str | None]:
