@@ -12,7 +12,7 @@ from fastft._version import __version__
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    # The light module: --help and --version must not import torch, transformers, peft and trl first.
+    # The light module: --help and --version must not wait for transformers, peft, trl and datasets to import.
     from fastft.training.options import METHODS, TrainOptions
 
     defaults = {field.name: field.default for field in fields(TrainOptions) if field.name != "output"}
@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export_parser(sub: argparse._SubParsersAction) -> None:
-    # gguf_export's QUANTIZATIONS are these names; gguf_mixtures imports no torch (the parser is built for --help).
+    # gguf_export's QUANTIZATIONS are these names; gguf_mixtures imports none of the training stack (--help).
     from fastft.export.gguf_mixtures import FILE_TYPES as QUANTIZATIONS
 
     parser = sub.add_parser(

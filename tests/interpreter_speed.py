@@ -64,7 +64,6 @@ def install() -> bool:
 
     def launch_forgetting_patches(self, *args, **kwargs):
         # The launch restores what its kernel patched: the next launch must patch again.
-        patched_in_launch.clear()
         try:
             return launch(self, *args, **kwargs)
         finally:

@@ -1,7 +1,7 @@
 """What ``fastft train`` takes: the trainer methods and the run's settings, in a module that imports nothing heavy.
 
-``fastft --help`` and ``fastft --version`` build their parser from these, so they answer without importing torch,
-transformers, peft or trl (13 s on a 2-core machine); :mod:`fastft.training.train` and
+``fastft --help`` and ``fastft --version`` build their parser from these, so they answer without importing
+transformers, peft, trl or datasets (13 s on a 2-core machine); :mod:`fastft.training.train` and
 :mod:`fastft.training.data` re-export both names.
 """
 
