@@ -8,7 +8,8 @@ from the local CPU wheel, the lane's pins, the rest of fastft's runtime and test
 
 A feature lane pins one of those sets plus what a group of tests needs beyond fastft's dependencies, and names
 that group's marker in a ``# marker: <name>`` line; it runs ``pytest -m <name>`` instead. ``# env: NAME=value``
-lines set environment variables for its install (``llamacpp``: the CMake flags of llama.cpp's build).
+lines set environment variables for its install (``llamacpp``: the CMake flags of llama.cpp's build); ``{lanes}`` in
+a value is the absolute path of ``.ci/lanes/``, and the files a value names there are part of the venv's stamp.
 
     python .ci/lanes.py                         # build what is missing or stale, test every lane
     python .ci/lanes.py --lane oldest -- -k rope  # one lane, extra pytest arguments after ``--``
@@ -81,6 +82,8 @@ class Lane:
     marker: str = "lane"
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     no_deps: tuple[str, ...] = ()
+    # Files of .ci/lanes/ its env values name (``{lanes}/<file>``): the venv is rebuilt when one changes.
+    env_files: tuple[Path, ...] = ()
     # Seconds its tests took in CI (the '# test-seconds:' line): lanes run at a time start longest first.
     test_seconds: float = 0.0
 
@@ -147,6 +150,7 @@ def read_lane(path: Path) -> Lane:
         raise LaneError(f"{path}: the first line must be '# lane: {path.stem} ...', found {lines[:1]!r}")
     pins: dict[str, str] = {}
     marker, env, no_deps, test_seconds = "lane", {}, [], 0.0
+    env_files: list[Path] = []
     for number, line in enumerate(lines[1:], start=2):
         directive = re.match(r"#\s*(marker|env|no-deps|test-seconds):\s*(.*?)\s*$", line)
         if directive is not None:
@@ -155,7 +159,13 @@ def read_lane(path: Path) -> Lane:
                 marker = value
             elif key == "env" and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", value):
                 name, _, setting = value.partition("=")
-                env[name] = setting
+                for file in re.findall(r"\{lanes\}/([^\s\"']+)", setting):
+                    if not (path.parent / file).is_file():
+                        raise LaneError(
+                            f"{path}:{number}: '# env:' names {{lanes}}/{file}, which is not in {path.parent}"
+                        )
+                    env_files.append(path.parent / file)
+                env[name] = setting.replace("{lanes}", str(path.parent.resolve()))
             elif key == "test-seconds" and re.fullmatch(r"[0-9]+(\.[0-9]+)?", value):
                 test_seconds = float(value)
             elif key == "no-deps" and re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.+\-]*", value):
@@ -176,7 +186,7 @@ def read_lane(path: Path) -> Lane:
     missing = [name for name in PINNED if name not in pins]
     if missing:
         raise LaneError(f"{path}: lane {path.stem} pins no version of {', '.join(missing)}; pin each of {PINNED}")
-    return Lane(path.stem, path, pins, marker, env, tuple(no_deps), test_seconds)
+    return Lane(path.stem, path, pins, marker, env, tuple(no_deps), tuple(env_files), test_seconds)
 
 
 def all_lanes() -> list[Lane]:
@@ -280,6 +290,7 @@ def _stamps(lane: Lane, wheel: Path) -> dict[str, str]:
         sys.version,
         *EXTRA_REQUIREMENTS,
         *NO_DEPS_REQUIREMENTS,
+        *(file.read_bytes() for file in lane.env_files),
     )
     return {"dependencies": dependencies, "fastft": _digest((ROOT / "pyproject.toml").read_bytes())}
 

@@ -199,7 +199,12 @@ def test_the_llamacpp_lane_is_the_newest_set_plus_a_portable_llama_cpp_build(lan
     assert not lane.is_version_lane and lane.marker == "llamacpp"
     assert lane.pins == {**found["newest"].pins, "llama-cpp-python": "0.3.36"}
     # Not -march=native: a wheel built on one CI machine must run on the next.
-    assert "-DGGML_NATIVE=OFF" in lane.env["CMAKE_ARGS"].split()
+    arguments = shlex.split(lane.env["CMAKE_ARGS"])
+    assert "-DGGML_NATIVE=OFF" in arguments
+    # llama.cpp's common library (43 % of the build) is not built: the Python package loads libllama and libmtmd only.
+    include = ROOT / ".ci" / "lanes" / "llamacpp-no-common.cmake"
+    assert f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={include.resolve()}" in arguments
+    assert lane.env_files == (include,) and "set(LLAMA_BUILD_COMMON OFF)" in include.read_text()
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(marker.startswith("llamacpp:") for marker in markers)
@@ -216,6 +221,17 @@ def test_a_feature_lane_runs_its_marker_and_builds_with_its_settings(lanes, tmp_
     path.write_text("\n".join(["# lane: feat", "# env: cmake args", *pins, "datasets==5.2.0"]))
     with pytest.raises(lanes.LaneError, match=r"feat.txt:2: '# env:' takes NAME=value, found 'cmake args'"):
         lanes.read_lane(path)
+    # {lanes} is the lane file's folder; a file named there must exist, and its bytes are part of the venv's stamp.
+    path.write_text("\n".join(["# lane: feat", "# env: CMAKE_ARGS='-DX={lanes}/x.cmake'", *pins, "datasets==5.2.0"]))
+    with pytest.raises(lanes.LaneError, match=r"feat.txt:2: '# env:' names \{lanes\}/x.cmake, which is not in"):
+        lanes.read_lane(path)
+    (tmp_path / "x.cmake").write_text("set(A 1)\n")
+    named = lanes.read_lane(path)
+    assert named.env == {"CMAKE_ARGS": f"'-DX={tmp_path.resolve()}/x.cmake'"}
+    assert named.env_files == (tmp_path / "x.cmake",)
+    stamp = lanes._stamps(named, tmp_path / "torch.whl")["dependencies"]
+    (tmp_path / "x.cmake").write_text("set(A 2)\n")
+    assert lanes._stamps(named, tmp_path / "torch.whl")["dependencies"] != stamp
 
     calls = []
 
