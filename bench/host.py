@@ -77,6 +77,9 @@ WEIGHT_SEED, LORA_SEED, INPUT_SEED = 0, _WORKER.LORA_SEED, 0
 BASELINE, BASELINE_GC = "transformers+peft", "transformers+peft+gc"
 UNSLOTH = {"unsloth": "unsloth", "unsloth-nogc": False}
 COMPILED = "fastft+compile"
+# Stock's own regional compilation (``nn.Module.compile()`` on each decoder layer): the like-for-like row of COMPILED.
+BASELINE_COMPILED = "transformers+peft+compile"
+COMPILED_SYSTEMS = (COMPILED, BASELINE_COMPILED)
 LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to the baseline's loss
 PREFIX = "HOST-BENCH "
 QUICK = {"layers": 2, "rounds": 2, "steps": 2, "warmup": 1}
@@ -127,6 +130,11 @@ def build(system: str, folder: Path, device: str, dtype: torch.dtype, checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
+    if system == BASELINE_COMPILED:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for layer in [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]:
+            layer.compile()
     if system == BASELINE_GC:
         # transformers 5.23 renamed gradient_checkpointing_enable (kept as a deprecated alias).
         if hasattr(model, "activation_checkpointing_enable"):
@@ -329,6 +337,7 @@ def available_systems() -> dict[str, dict[str, Any]]:
             "use_gradient_checkpointing": value,
         }
     systems[COMPILED] = {"kind": "fastft", "use_gradient_checkpointing": False, "compile": True}
+    systems[BASELINE_COMPILED] = {"kind": "stock", "use_gradient_checkpointing": False, "compile": True}
     return systems
 
 
@@ -355,6 +364,8 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if row["kind"] == "fastft" and row["use_gradient_checkpointing"] is not False and name != COMPILED
     ]
     wanted.append(("fastft", "ops_per_step", 0.6, BASELINE))
+    # compile=True is fastft without checkpointing too: the same bound, and beside it stock compiled the same way.
+    wanted += [(COMPILED, "median_host_s", 0.5, BASELINE), (COMPILED, "median_host_s", 1.0, BASELINE_COMPILED)]
     found = []
     for system, metric, limit, baseline in wanted:
         if system not in rows or baseline not in rows:
@@ -384,7 +395,7 @@ def summarise(rows: dict[str, dict[str, Any]], dtype: str) -> dict[str, Any]:
     for row in rows.values():
         row["ratios"] = {
             f"{metric}_vs_{baseline}": _ratio(row.get(field), rows[baseline].get(field))
-            for baseline in (BASELINE, BASELINE_GC)
+            for baseline in (BASELINE, BASELINE_GC, BASELINE_COMPILED)
             if baseline in rows
             for metric, field in (("host", "median_host_s"), ("ops", "ops_per_step"), ("floor", "op_floor_s"))
         }
@@ -489,7 +500,7 @@ def measure(args: argparse.Namespace, names: list[str], specs: dict[str, dict[st
                     rows[name]["round_medians_s"].append(statistics.median(result["host_s"]))
         for name in list(runners):
             rows[name].update(attempt(name, "op count", runners[name].count) or {})
-            if name == COMPILED:
+            if name in COMPILED_SYSTEMS:
                 # Its generated kernels are not aten operators: a replay of what it dispatches is no floor of it.
                 rows[name].pop("op_floor_s", None)
             if args.device == "cuda" and name in runners:

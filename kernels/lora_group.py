@@ -60,6 +60,7 @@ from fastft.kernels.lora_projection import (
     x_dtype_error,
     x_shape_error,
 )
+from fastft.kernels.traced_reference import group_outputs, traces_reference
 
 # The tuner's group names (gemm_tuner.choices and patch_report show them).
 GROUPS = ("qkv", "o", "gate_up", "down")
@@ -241,6 +242,9 @@ class LoRAGroup:
 
     def _apply(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if compiling():
+            traced = group_outputs(self, x) if traces_reference(x) else None
+            if traced is not None:
+                return traced
             return tuple(_op(x, **self.op_arguments(x.dtype), group=self.group)[:-1])
         return self._apply_function(x, self, *self._adapters)
 

@@ -36,6 +36,7 @@ from fastft.kernels.lora_projection import (
     x_dtype_error,
     x_shape_error,
 )
+from fastft.kernels.traced_reference import mlp_output, traces_reference
 
 
 class LoRAMLP:
@@ -148,6 +149,9 @@ class LoRAMLP:
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if compiling():
+            traced = mlp_output(self, x) if traces_reference(x) else None
+            if traced is not None:
+                return traced
             return lora_mlp_math.op(x, **self.op_arguments(x.dtype))[0]
         return _apply_mlp(x, self, *self._adapters)
 

@@ -38,6 +38,7 @@ from fastft.kernels import dispatch
 from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.traced_reference import traces_reference
 
 # One program holds a whole row in registers. Every released model's hidden size fits far below this; a wider row
 # takes the torch reference rather than a kernel that would spill.
@@ -588,6 +589,8 @@ def rms_norm(
         # Checked here, at trace time, so a bad call fails while compiling rather than inside the graph.
         _check_shapes(x, weight)
         _check_variant(offset, cast_before_weight)
+        if traces_reference(x):
+            return rms_norm_reference(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
         return rms_norm_op(x, weight, float(eps), float(offset), cast_before_weight)[0]
     return _apply_rms_norm(x, weight, eps, offset, cast_before_weight)
 

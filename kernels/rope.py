@@ -38,6 +38,7 @@ from fastft.kernels import dispatch
 from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.rope_checks import _check, _checked
+from fastft.kernels.traced_reference import traces_reference
 
 
 @triton.jit
@@ -479,7 +480,9 @@ def apply_rope(
     if compiling():
         # Checked at trace time; position_ids are range-checked inside the op, when the data exists.
         _check("apply_rope", q, k, cos, sin, position_ids)
-        q_rot, k_rot = rope_op(q, k, cos, sin, position_ids)
+        # Gathered by position_ids, the tables stay inside the op, which range-checks the ids when they exist.
+        traced = position_ids is None and traces_reference(q)
+        q_rot, k_rot = (rope_reference if traced else rope_op)(q, k, cos, sin, position_ids)
         if inplace:
             # An op may not return its inputs: the graph rotates out of place and writes the result back, which the
             # compiler's functionalization turns into whatever in-place update it can prove safe.

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from fastft.kernels import dispatch, gate_kernels
 from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
 from fastft.kernels.errors import ShapeContractError
+from fastft.kernels.traced_reference import traces_reference
 
 
 def _check_inputs(function: str, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -293,6 +294,8 @@ def register_gate(kind: GatedActivation, function_name: str, module: str, doc: s
     def call(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if compiling():
             _check_inputs(kind.name, gate, up)  # at trace time: a bad call fails while compiling
+            if traces_reference(gate):
+                return (kind.activation(gate.float()) * up.float()).to(gate.dtype)
             return op(gate, up)
         return eager(gate, up)
 

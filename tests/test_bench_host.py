@@ -25,6 +25,7 @@ COMMITTED_SYSTEMS = [
     "fastft+offload",
     "fastft+sqrt",
     "fastft+compile",
+    "transformers+peft+compile",
 ]
 ROW_FIELDS = ("median_host_s", "tokens_per_s", "ops_per_step", "top_ops", "loss", "loss_diff", "host_s", "ratios")
 # Every row of the committed record but the compiled one's (its generated kernels are not operators to replay).
@@ -160,7 +161,7 @@ def test_committed_cpu_record_has_every_system_and_target():
     for name, row in rows.items():
         if row["status"] == "ok":
             assert all(field in row for field in ROW_FIELDS), name
-            if name != "fastft+compile":
+            if name not in ("fastft+compile", "transformers+peft+compile"):
                 assert all(field in row for field in FLOOR_FIELDS), name
                 assert 0 < row["op_floor_s"] < 2 * row["median_host_s"], name
             assert row["median_host_s"] > 0 and row["ops_per_step"] > 0, name
@@ -173,6 +174,11 @@ def test_committed_cpu_record_has_every_system_and_target():
     wanted = ["fastft median_host_s <= 0.5 x transformers+peft", "fastft ops_per_step <= 0.6 x transformers+peft"]
     wanted += [
         f"fastft+{mode} median_host_s <= 0.6 x transformers+peft+gc" for mode in ("recompute", "offload", "sqrt")
+    ]
+    # compile=True against eager stock's bound and against stock compiled the same way (regional).
+    wanted += [
+        "fastft+compile median_host_s <= 0.5 x transformers+peft",
+        "fastft+compile median_host_s <= 1.0 x transformers+peft+compile",
     ]
     assert set(wanted) <= set(targets)
     for entry in targets.values():

@@ -551,6 +551,30 @@ def test_a_compiled_block_has_no_graph_break_and_matches_eager(gen, base, packed
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv-gate-up", "packed"])
+@pytest.mark.parametrize("base", ["dense", "params4bit-nested"])
+def test_the_reference_path_traces_a_block_as_aten_ops(gen, base, packed):
+    """On the torch-reference path a traced dense group or MLP is plain aten ops the compiler can fuse
+    (fastft.kernels.traced_reference); an NF4 base keeps its op. Compiled by inductor, it equals eager."""
+    from fastft.kernels import dispatch
+
+    block, leaves = _block(gen, base, packed)
+    x = random_tensor((2, 7, HIDDEN), torch.float32, gen).requires_grad_()
+    with dispatch.force_reference():
+        expected = _run(block, x, leaves)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(block)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        targets = {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes}
+        fastft_ops = {target for target in targets if target.startswith("fastft.")}
+        assert fastft_ops == (set() if base == "dense" else {"fastft.lora_group.default", "fastft.lora_mlp.default"})
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="inductor", fullgraph=True)
+        for got, want in zip(_run(compiled, x, leaves), expected, strict=True):
+            assert relative_error(got, want) < TOLERANCE[torch.float32]
+    torch._dynamo.reset()
+
+
 def test_one_compiled_graph_serves_every_layer_and_autocast(gen):
     # Regional compilation compiles one decoder layer and runs it for all: a second layer's groups (other weights,
     # same shapes) reuse the graph and read their own weights.

@@ -1,5 +1,6 @@
 """torch.compile of small functions around RMSNorm, RoPE, SwiGLU and GeGLU: no graph break, each kernel one
-custom-op node forward and backward, outputs and gradients equal to eager, and shape errors raised while compiling."""
+custom-op node forward and backward (on the torch-reference path: plain aten ops, or the op where asked), outputs and
+gradients equal to eager, and shape errors raised while compiling."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastft.kernels import apply_rope, geglu, rms_norm, swiglu
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.geglu import geglu_backward, geglu_backward_
 from fastft.kernels.swiglu import swiglu_backward, swiglu_backward_
+from fastft.kernels.traced_reference import opaque_reference
 
 BATCH, SEQ, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 2, 5, 32, 4, 2, 16, 40
 POSITIONS = [[0, 1, 2, 0, 1], [7, 8, 9, 10, 11]]  # a packed first row: positions restart mid-row
@@ -23,11 +25,13 @@ POSITIONS = [[0, 1, 2, 0, 1], [7, 8, 9, 10, 11]]  # a packed first row: position
 
 @dataclass(frozen=True)
 class Case:
-    """A function using one kernel, the names of its op pair, and how to make its inputs."""
+    """A function using one kernel, the names of its op pair, how to make its inputs, and whether the torch-reference
+    path traces it as plain torch (tables gathered by position_ids stay in the op, which range-checks the ids)."""
 
     fn: Callable[..., torch.Tensor]
     op: str
     inputs: Callable[[torch.Generator], tuple]
+    traced_on_reference: bool = True
 
 
 def norm_llama(x, weight):
@@ -92,7 +96,7 @@ CASES = {
     ),
     "rope-gathered": Case(rope_gathered, "rope", _rope_inputs),
     "rope-inplace": Case(rope_inplace, "rope", _rope_inputs),
-    "rope-position_ids": Case(rope_tables, "rope", lambda gen: _rope_inputs(gen, table_rows=12)),
+    "rope-position_ids": Case(rope_tables, "rope", lambda gen: _rope_inputs(gen, table_rows=12), False),
     "swiglu": Case(mlp_swiglu, "swiglu", _mlp_inputs),
     "geglu": Case(mlp_geglu, "geglu", _mlp_inputs),
 }
@@ -135,6 +139,12 @@ def test_no_graph_break_and_one_node_each_way(kernel_path, gen, name):
     assert explained.graph_count == 1
 
     forward, backward = _graph_targets(case.fn, inputs)
+    if kernel_path == "reference" and case.traced_on_reference:
+        # Traced as aten ops the compiler can fuse (fastft.kernels.traced_reference), not as an opaque Python op.
+        assert not [target for target in forward | backward if target.startswith("fastft.")], forward | backward
+        torch._dynamo.reset()
+        with opaque_reference():
+            forward, backward = _graph_targets(case.fn, inputs)
     assert f"fastft.{case.op}.default" in forward
     assert f"fastft.{case.op}_backward.default" in backward
     # Nothing of the kernel was traced through: its aten ops stay inside the op.
