@@ -8,8 +8,9 @@
 # cut short still returns every group it finished; each group holds its Unsloth rival, so each ratio is one run's.
 # Unsloth's processes take about 100 s each (import, its own compile), fastft's about 30 s, a compiled fastft one
 # about a minute more: the four Llama groups take about six minutes with the set-up; GPU_MODES_GROUPS picks groups
-# (none recompute offload compile vlm trace), vlm being issue 33's vision-language workload and trace the timelines
-# of fastft's and Unsloth's profiled steps (bench/gpu_gaps.py), which runs only when named.
+# (none recompute offload compile vlm trace compile-traced), vlm being issue 33's vision-language workload, trace the
+# timelines of fastft's and Unsloth's profiled steps (bench/gpu_gaps.py) and compile-traced fastft compiled over the
+# kernels' torch reference; the last two run only when named.
 set -uo pipefail
 OUTDIR=$(cd "${1:?usage: bash bench/gpu_modes.sh OUTDIR}" && pwd)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -50,6 +51,10 @@ group compile 200 fastft+compile fastft+offload+compile
 # Where the GPU still waits: Unsloth and fastft with and without recompute, each profiled step's timeline kept
 # (OUTDIR/trace/timelines/<system>.json.gz; `python bench/gpu_gaps.py` reads them). Not in the default list.
 FASTFT_BENCH_TRACE_DIR="$OUTDIR/trace/timelines" group trace 260 fastft fastft+recompute unsloth-nogc
+# Compiled with the kernels' torch reference (FASTFT_DISABLE_TRITON=1): the compiler traces fastft's layer as plain
+# torch and makes its own kernels around cuBLAS, as Unsloth's compiled regions do (kernels/traced_reference.py).
+# Unsloth beside it for the ratio (eager fastft: the none group). Not in the default list.
+FASTFT_DISABLE_TRITON=1 group compile-traced 260 fastft+compile unsloth-nogc
 # Issue 33's Qwen2.5-VL-7B workload (8.3e9 parameters, one image per example): stock, Unsloth, fastft.
 group vlm 300 transformers+peft unsloth-nogc fastft
 touch "$OUTDIR/done"

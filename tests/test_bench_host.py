@@ -104,9 +104,16 @@ def test_quick_run_writes_a_consistent_record(bench, tmp_path):
         "fastft ops_per_step <= 0.6 x transformers+peft",
     }
     for entry in targets.values():
-        assert entry["measured"] == pytest.approx(
-            rows[entry["system"]][entry["metric"]] / rows[entry["baseline"]][entry["metric"]]
-        )
+        ours, theirs = rows[entry["system"]], rows[entry["baseline"]]
+        of_medians = ours[entry["metric"]] / theirs[entry["metric"]]
+        if entry["metric"] == "median_host_s":
+            # Host time: the median of the rounds' own ratios, the ratio of the medians beside it.
+            per_round = [a / b for a, b in zip(ours["round_medians_s"], theirs["round_medians_s"], strict=True)]
+            assert entry["measured"] == pytest.approx(statistics.median(per_round))
+            assert entry["ratio_of_medians"] == pytest.approx(of_medians)
+            assert ours["paired_host_ratios"][f"host_vs_{entry['baseline']}"] == pytest.approx(entry["measured"])
+        else:
+            assert entry["measured"] == pytest.approx(of_medians)
         assert entry["met"] == (entry["measured"] <= entry["limit"])
 
 
@@ -184,3 +191,19 @@ def test_committed_cpu_record_has_every_system_and_target():
     for entry in targets.values():
         assert all(field in entry for field in TARGET_FIELDS), entry
         assert entry["met"] is None or entry["met"] == (entry["measured"] <= entry["limit"])
+
+
+def test_host_targets_read_the_per_round_ratio(bench):
+    """Each round's ratio compares the two systems in the same seconds; the ratio of the overall medians can pair one
+    system's fast state with the other's slow one (here 1.0 where every round says 0.5)."""
+    rows = {
+        "transformers+peft": {"kind": "stock", "status": "ok", "use_gradient_checkpointing": False},
+        "fastft": {"kind": "fastft", "status": "ok", "use_gradient_checkpointing": False},
+    }
+    rows["transformers+peft"].update(median_host_s=2.0, round_medians_s=[4.0, 4.0, 2.0, 2.0, 2.0], ops_per_step=10)
+    rows["fastft"].update(median_host_s=2.0, round_medians_s=[2.0, 2.0, 1.0, 1.0, 1.0], ops_per_step=5)
+    targets = {entry["target"]: entry for entry in bench.targets(rows)}
+    host = targets["fastft median_host_s <= 0.5 x transformers+peft"]
+    assert host["measured"] == 0.5 and host["met"] is True and host["ratio_of_medians"] == 1.0
+    assert targets["fastft ops_per_step <= 0.6 x transformers+peft"]["measured"] == 0.5
+    assert bench.paired_ratio(rows["fastft"], {"round_medians_s": []}) is None
