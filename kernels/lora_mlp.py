@@ -25,7 +25,7 @@ from fastft.kernels import lora_mlp_math
 from fastft.kernels.custom_ops import compiling, direct_apply
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_group import LoRAGroup
-from fastft.kernels.lora_mlp_math import ACTIVATIONS, gate_functions
+from fastft.kernels.lora_mlp_math import ACTIVATIONS, GATES, gate_functions
 from fastft.kernels.lora_projection import (
     FLOAT_DTYPES,
     LoRAWeights,
@@ -149,7 +149,7 @@ class LoRAMLP:
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if compiling():
-            traced = mlp_output(self, x) if traces_reference(x) else None
+            traced = mlp_output(self, x, GATES[self.activation]) if traces_reference(x) else None
             if traced is not None:
                 return traced
             return lora_mlp_math.op(x, **self.op_arguments(x.dtype))[0]

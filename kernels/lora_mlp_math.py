@@ -30,9 +30,9 @@ import torch
 
 from fastft.kernels import lora_backward, lora_math, lora_op_args
 from fastft.kernels.custom_ops import define, register_autograd
-from fastft.kernels.geglu import geglu_backward_, geglu_backward_with_hidden, geglu_forward
+from fastft.kernels.geglu import geglu, geglu_backward_, geglu_backward_with_hidden, geglu_forward
 from fastft.kernels.lora_math import LAYOUT_FIELDS, Spec
-from fastft.kernels.swiglu import swiglu_backward_, swiglu_backward_with_hidden, swiglu_forward
+from fastft.kernels.swiglu import swiglu, swiglu_backward_, swiglu_backward_with_hidden, swiglu_forward
 
 GateForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 GateBackward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -42,6 +42,11 @@ ACTIVATIONS: dict[str, tuple[GateForward, GateBackward]] = {
     "silu": (swiglu_forward, swiglu_backward_),
     "gelu_tanh": (geglu_forward, geglu_backward_),
 }
+
+
+# activation name -> the public gate kernel (autograd, torch.compile): what an MLP the fused kernel cannot serve runs
+# between its projections, and what the traced reference path traces.
+GATES: dict[str, GateForward] = {"silu": swiglu, "gelu_tanh": geglu}
 
 
 # activation name -> (dH, gate, up, in_place) -> (H, d gate, d up): the backward that also rewrites the forward's H.

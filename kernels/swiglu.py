@@ -295,7 +295,7 @@ def register_gate(kind: GatedActivation, function_name: str, module: str, doc: s
         if compiling():
             _check_inputs(kind.name, gate, up)  # at trace time: a bad call fails while compiling
             if traces_reference(gate):
-                return (kind.activation(gate.float()) * up.float()).to(gate.dtype)
+                return gate_forward(kind, gate, up)
             return op(gate, up)
         return eager(gate, up)
 

@@ -18,7 +18,7 @@ implementations and autograd formulas use it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,17 +76,13 @@ def group_outputs(group: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...] | Non
     return tuple(outputs)
 
 
-def gate(activation: str, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``act(gate) * up`` in fp32, rounded once to gate's dtype: the gate kernels' arithmetic (``"silu"``: SwiGLU,
-    ``"gelu_tanh"``: GeGLU with transformers' ``gelu_pytorch_tanh``)."""
-    gate32 = gate_in.float()
-    activated = F.silu(gate32) if activation == "silu" else F.gelu(gate32, approximate="tanh")
-    return (activated * up.float()).to(gate_in.dtype)
-
-
-def mlp_output(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
-    """A :class:`~fastft.kernels.lora_mlp.LoRAMLP` on ``x``: ``down(act(gate(x)) * up(x))`` with each projection's
-    LoRA term; None where a group has an NF4 base (see :func:`group_outputs`)."""
+def mlp_output(
+    mlp: Any, x: torch.Tensor, gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor | None:
+    """A :class:`~fastft.kernels.lora_mlp.LoRAMLP` on ``x``: ``down(gate(gate_proj(x), up_proj(x)))`` with each
+    projection's LoRA term, ``gate`` the public gate kernel of the MLP's activation (which, being traced on the
+    reference path too, traces its own plain-torch math); None where a group has an NF4 base (see
+    :func:`group_outputs`)."""
     gate_up = group_outputs(mlp.gate_up, x)
     if gate_up is None:
         return None
@@ -95,8 +91,8 @@ def mlp_output(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     else:
         # One packed gate_up projection (Phi-3): gate is the first half of its output, up the second.
         gate_in, up = gate_up[0].chunk(2, dim=-1)
-    down = group_outputs(mlp.down, gate(mlp.activation, gate_in, up))
+    down = group_outputs(mlp.down, gate(gate_in, up))
     return None if down is None else down[0]
 
 
-__all__ = ["gate", "group_outputs", "mlp_output", "opaque_reference", "traces_reference"]
+__all__ = ["group_outputs", "mlp_output", "opaque_reference", "traces_reference"]

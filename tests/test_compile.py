@@ -137,3 +137,29 @@ def test_compile_switch_refuses_a_non_bool(tiny_llama_dir):
     model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
     with pytest.raises(ValueError, match="compile must be True"):
         FastModel.get_peft_model(model, r=8, compile="yes")
+
+
+def test_a_compiled_layer_call_runs_no_module_attribute_lookup(tiny_llama_dir):
+    """Once compiled, a layer's call is its guards and its graph: no guard may go through ``Module.__getattr__``
+    (a missing name raises there, and the guards replay that on every call; ``hasattr(module, "_hf_hook")`` and peft's
+    ``get_base_layer`` used to, 84 times a step on four layers)."""
+    import sys
+
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False, compile=True)
+    inside = {id(module) for layer in decoder_layers(model) for module in layer.modules()}
+    ids = torch.arange(1, 9).unsqueeze(0)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    code, looked_up = torch.nn.Module.__getattr__.__code__, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code and id(frame.f_locals["self"]) in inside:
+            looked_up.append((type(frame.f_locals["self"]).__name__, frame.f_locals["name"]))
+
+    sys.setprofile(profile)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        sys.setprofile(None)
+    assert looked_up == []

@@ -24,14 +24,9 @@ from typing import Any
 
 import torch
 
-from fastft.kernels import (
-    LoRAGroup,
-    apply_rope,
-    geglu,
-    rms_norm,
-    swiglu,
-)
+from fastft.kernels import LoRAGroup, apply_rope, rms_norm
 from fastft.kernels.custom_ops import compiling
+from fastft.kernels.lora_mlp_math import GATES
 from fastft.kernels.lora_qkv_rope import lora_qkv_rope
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.causal_lm import head_reason
@@ -42,7 +37,6 @@ from fastft.registry import PatchRecord, register
 
 # The gated MLP activations the fused path has kernels for (config name -> lora_mlp's activation).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-_GATES = {"silu": swiglu, "gelu_tanh": geglu}
 
 
 def _no_window(module: torch.nn.Module) -> dict[str, Any]:
@@ -127,27 +121,30 @@ def mlp_activation(config: Any, attr: str = "hidden_act") -> str | None:
     return ACTIVATIONS.get(getattr(config, attr, None))
 
 
-def _mlp_plan(family: Family, module: torch.nn.Module) -> tuple[Any, list[Any]]:
-    """``(run, keep)``: ``run(x)`` computes the MLP (fused, or through the projections' own forwards when the fused
-    kernel cannot serve them); ``keep`` is what the plan keeps alive."""
+def _mlp_runner(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``run(x)``: the MLP fused, or through the projections' own forwards when the fused kernel cannot serve them."""
     activation = mlp_activation(module.config, family.activation_attr)
     weights = group_weights(module, family.mlp)
-    keep = group_objects(module, family.mlp)
-    if isinstance(weights, str):
-        gate_kernel = _GATES[activation]
-        if len(family.mlp) == 2:
-            gate_up_name = family.mlp[0]
+    if not isinstance(weights, str):
+        return fused_mlp(family.mlp, weights, activation)
+    gate_kernel = GATES[activation]
+    if len(family.mlp) == 2:
+        gate_up_name = family.mlp[0]
 
-            def unfused(x: torch.Tensor) -> torch.Tensor:
-                gate, up = getattr(module, gate_up_name)(x).chunk(2, dim=-1)
-                return module.down_proj(gate_kernel(gate, up))
-        else:
+        def unfused(x: torch.Tensor) -> torch.Tensor:
+            gate, up = getattr(module, gate_up_name)(x).chunk(2, dim=-1)
+            return module.down_proj(gate_kernel(gate, up))
+    else:
 
-            def unfused(x: torch.Tensor) -> torch.Tensor:
-                return module.down_proj(gate_kernel(module.gate_proj(x), module.up_proj(x)))
+        def unfused(x: torch.Tensor) -> torch.Tensor:
+            return module.down_proj(gate_kernel(module.gate_proj(x), module.up_proj(x)))
 
-        return unfused, keep
-    return fused_mlp(family.mlp, weights, activation), keep
+    return unfused
+
+
+def _mlp_plan(family: Family, module: torch.nn.Module) -> tuple[Any, list[Any]]:
+    """``(run, keep)``: :func:`_mlp_runner`'s ``run``, and what the kept plan keeps alive."""
+    return _mlp_runner(family, module), group_objects(module, family.mlp)
 
 
 def gated_mlp_forward(family: Family) -> Callable[..., torch.Tensor]:
@@ -249,7 +246,9 @@ def attention_plan(family: Family, module: torch.nn.Module) -> _AttentionPlan:
 def mlp_plan(family: Family, module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP module's kept ``run(x)``: a :class:`~fastft.kernels.LoRAMLP` when fused."""
     if compiling():
-        return _mlp_plan(family, module)[0]
+        # Traced, the plan is not kept: what it would keep alive (a walk over the modules) is not looked at, which
+        # also keeps that walk out of the compiled layer's guards.
+        return _mlp_runner(family, module)
     stamp = (torch.is_grad_enabled(), group_stamp(module, family.mlp))
     return planned(module, stamp, lambda: _mlp_plan(family, module))
 

@@ -33,17 +33,32 @@ def _linear4bit_class() -> type | None:
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "scaling"))
+    # Read from the instance dicts, not with hasattr: see _hook_reason.
+    state = module.__dict__
+    modules = state["_modules"]
+    return "base_layer" in modules and "lora_A" in modules and "lora_B" in modules and "scaling" in state
 
 
 def _hook_reason(module: torch.nn.Module, label: str) -> str | None:
-    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+    # Read from the instance dict: hasattr on a module raises inside Module.__getattr__ for a missing name, and a
+    # compiled layer's guards would replay that on every call.
+    state = module.__dict__
+    if "forward" in state or "_hf_hook" in state:
         return f"{label} has its forward replaced on the instance (an accelerate / offload hook?)"
     # fastft's own quant_state guard is re-checked by the fused path itself (dequantisation refuses a missing state).
     pre_hooks = [hook for hook in module._forward_pre_hooks.values() if not isinstance(hook, _QuantStateGuard)]
     if pre_hooks or module._forward_hooks:
         return f"{label} has forward hooks the fused path would bypass"
     return None
+
+
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """peft's ``get_base_layer()``, read through ``_modules``: peft asks ``hasattr(layer, "base_layer")``, which on a
+    module without one raises inside ``Module.__getattr__``, and a compiled layer's guards would replay that."""
+    base = module._modules["base_layer"]
+    while "base_layer" in base._modules:
+        base = base._modules["base_layer"]
+    return base
 
 
 def _base_reason(base: torch.nn.Module, label: str, training: bool | None) -> str | None:
@@ -100,7 +115,7 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
         return reason
     if module.merged:
         return f"{label}: adapter merged into the base weight"
-    base = module.get_base_layer()
+    base = _base_layer(module)
     reason = _base_reason(base, f"{label}.base_layer", training)
     if reason:
         return reason
