@@ -12,6 +12,16 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return getter() if callable(getter) else model
 
 
+def innermost_base(module: torch.nn.Module) -> torch.nn.Module:
+    """The module under peft's LoRA wrappers (``ParamWrapper`` nests one per targeted parameter), ``module`` itself
+    when unwrapped. Read through ``_modules``, not peft's ``get_base_layer()``: that asks ``hasattr(layer,
+    "base_layer")``, which on a module without one raises inside ``Module.__getattr__``, and a compiled layer's guards
+    would replay that on every call."""
+    while "base_layer" in module._modules:
+        module = module._modules["base_layer"]
+    return module
+
+
 def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
     getter = getattr(module, "get_base_layer", None)
     return getter() if callable(getter) else module

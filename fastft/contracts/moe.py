@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fastft.contracts._layers import _base_model
+from fastft.contracts._layers import _base_model, innermost_base
 from fastft.kernels.errors import ShapeContractError
 
 _EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -42,13 +42,6 @@ def _first(config: Any, names: Iterable[str]) -> tuple[str, Any] | None:
         if value is not None:
             return name, value
     return None
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    # peft's LoRA wrappers (ParamWrapper nests one per targeted parameter) keep the real module as base_layer.
-    while "base_layer" in module._modules:
-        module = module._modules["base_layer"]
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +118,9 @@ def moe_blocks(model: torch.nn.Module) -> Iterator[MoEBlock]:
         experts = children.get("experts")
         if experts is None or "base_layer" in children:
             continue
-        experts = _unwrap(experts)
+        experts = innermost_base(experts)
         router = children.get("gate", children.get("router"))
-        router = None if router is None else _unwrap(router)
+        router = None if router is None else innermost_base(router)
         if isinstance(experts, torch.nn.ModuleList):
             layout = "per-expert"
         elif isinstance(experts._parameters.get("gate_up_proj"), torch.Tensor) or "gate_up_proj" in getattr(
@@ -211,7 +204,7 @@ def _check_per_expert(block: MoEBlock, shape: MoEShape) -> None:
         if names is None:
             continue
         for name, expected in zip(names, ((i, h), (i, h), (h, i)), strict=True):
-            features = _features(_unwrap(children[name]))
+            features = _features(innermost_base(children[name]))
             if features is not None and tuple(features) != expected:
                 raise ShapeContractError(
                     _mismatch(f"{block.name}.experts.{index}.{name}", "[out, in]", expected, tuple(features), shape)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fastft.contracts._layers import innermost_base
 from fastft.contracts.quantized import _QuantStateGuard
 from fastft.kernels import LoRAWeights
 
@@ -50,15 +51,6 @@ def _hook_reason(module: torch.nn.Module, label: str) -> str | None:
     if pre_hooks or module._forward_hooks:
         return f"{label} has forward hooks the fused path would bypass"
     return None
-
-
-def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
-    """peft's ``get_base_layer()``, read through ``_modules``: peft asks ``hasattr(layer, "base_layer")``, which on a
-    module without one raises inside ``Module.__getattr__``, and a compiled layer's guards would replay that."""
-    base = module._modules["base_layer"]
-    while "base_layer" in base._modules:
-        base = base._modules["base_layer"]
-    return base
 
 
 def _base_reason(base: torch.nn.Module, label: str, training: bool | None) -> str | None:
@@ -115,7 +107,7 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
         return reason
     if module.merged:
         return f"{label}: adapter merged into the base weight"
-    base = _base_layer(module)
+    base = innermost_base(module)
     reason = _base_reason(base, f"{label}.base_layer", training)
     if reason:
         return reason
