@@ -137,3 +137,4 @@ def table(record: dict[str, Any]) -> str:
         lines.append(f"target {entry['target']}: {_fmt(entry['measured'], '.3f')} {verdict}")
     losses = record["losses"]
     lines.append(f"losses agree: {losses['agree']} (max abs diff {_fmt(losses['max_abs_diff'], '.2e')})")
+    return "\n".join(lines)

@@ -45,7 +45,7 @@ def bench():
     return _load_bench()
 
 
-def test_quick_run_writes_a_consistent_record(bench, tmp_path):
+def test_quick_run_writes_a_consistent_record(bench, tmp_path, capsys):
     output = tmp_path / "host.json"
     threads = torch.get_num_threads()
     # This interpreter has no Unsloth here: its row must say so instead of failing the run.
@@ -53,6 +53,13 @@ def test_quick_run_writes_a_consistent_record(bench, tmp_path):
     assert bench.main(argv) == 0
     assert torch.get_num_threads() == threads  # main gives the caller its thread count back
     record = json.loads(output.read_text())
+    # The printed table: a row per system and a line per target (it once printed "None").
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1] == f"wrote {output}"
+    for name in QUICK_SYSTEMS:
+        assert any(line.split()[:1] == [name] for line in printed.splitlines()), name
+    for entry in record["targets"]:
+        assert f"target {entry['target']}: " in printed, entry["target"]
 
     assert record["benchmark"] == "bench/host.py" and record["device"].startswith("cpu")
     assert record["fastft_kernel_path"] == "torch reference" and record["command"].endswith(sys.executable)
