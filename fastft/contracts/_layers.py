@@ -22,14 +22,9 @@ def innermost_base(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
-    getter = getattr(module, "get_base_layer", None)
-    return getter() if callable(getter) else module
-
-
 def _features(module: torch.nn.Module) -> tuple[int, int] | None:
     """``(in, out)`` of a linear-like base layer; bnb's packed Linear4bit keeps the logical sizes in attributes."""
-    base = _base_layer(module)
+    base = innermost_base(module)
     if hasattr(base, "in_features") and hasattr(base, "out_features"):
         return int(base.in_features), int(base.out_features)
     if isinstance(base, torch.nn.Embedding):
