@@ -73,3 +73,17 @@ def test_a_nested_base_layer_is_read_down_to_the_innermost_one_as_peft_does():
     assert module.get_base_layer() is inner
     weights = projection_weights(module, "q_proj", training=True)
     assert isinstance(weights, LoRAWeights) and weights.weight is inner.weight
+
+
+@pytest.mark.parametrize("layout", ["fused-3d", "per-expert"])
+def test_an_accelerate_hook_on_the_experts_changes_the_kept_decisions_stamp(layout):
+    # The kept MoE decision is reused while its stamp holds; the decision refuses a module with accelerate's
+    # _hf_hook, so the stamp must change when one appears, even with no instance-level forward beside it.
+    from fastft.patches import moe_experts, moe_experts_4x
+
+    stamp = moe_experts._stamp if layout == "fused-3d" else moe_experts_4x._stamp
+    block = torch.nn.Module()
+    block.experts = torch.nn.ModuleList()
+    before = stamp(block)
+    block.experts.__dict__["_hf_hook"] = ModelHook()
+    assert stamp(block) != before

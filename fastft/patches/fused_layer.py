@@ -30,6 +30,7 @@ from fastft.kernels.lora_mlp import LoRAMLP
 from fastft.kernels.lora_projection import autocast_dtype
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.decoder import Family, attention_plan, mlp_plan, rms_norm_forward
+from fastft.patches.lora_layers import forward_replaced
 from fastft.patches.plans import group_objects, group_stamp, planned
 
 # KV-cache argument names across transformers releases (5.24, 4.56–5.23, 4.53–4.55).
@@ -70,8 +71,7 @@ def _plain(module: torch.nn.Module) -> bool:
         or state["_forward_pre_hooks"]
         or state["_backward_hooks"]
         or state["_backward_pre_hooks"]
-        or "forward" in state
-        or "_hf_hook" in state
+        or forward_replaced(state)
     )
 
 

@@ -40,11 +40,25 @@ def _is_lora_layer(module: torch.nn.Module) -> bool:
     return "base_layer" in modules and "lora_A" in modules and "lora_B" in modules and "scaling" in state
 
 
-def _hook_reason(module: torch.nn.Module, label: str) -> str | None:
-    # Read from the instance dict: hasattr on a module raises inside Module.__getattr__ for a missing name, and a
-    # compiled layer's guards would replay that on every call.
+def forward_replaced(state: dict[str, Any]) -> bool:
+    """Whether a module's instance ``__dict__`` (``state``) replaces its class's forward: a ``forward`` set on the
+    instance, or accelerate's ``_hf_hook`` (its device and offload hooks wrap the forward that way).
+
+    Read from the dict, not with hasattr: hasattr on a module raises inside ``Module.__getattr__`` for a missing name,
+    and a compiled layer's guards would replay that on every call."""
+    return "forward" in state or "_hf_hook" in state
+
+
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward hooks or pre-hooks, or its forward replaced (:func:`forward_replaced`): what a
+    fused path that calls the weights directly would bypass."""
     state = module.__dict__
-    if "forward" in state or "_hf_hook" in state:
+    return bool(state["_forward_hooks"] or state["_forward_pre_hooks"]) or forward_replaced(state)
+
+
+def _hook_reason(module: torch.nn.Module, label: str) -> str | None:
+    state = module.__dict__
+    if forward_replaced(state):
         return f"{label} has its forward replaced on the instance (an accelerate / offload hook?)"
     # fastft's own quant_state guard is re-checked by the fused path itself (dequantisation refuses a missing state).
     pre_hooks = [hook for hook in module._forward_pre_hooks.values() if not isinstance(hook, _QuantStateGuard)]
@@ -156,8 +170,7 @@ def _linear_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
         None if bias is None else bias.requires_grad,
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
-        "forward" in state,
-        "_hf_hook" in state,
+        forward_replaced(state),
     )
 
 
@@ -186,8 +199,7 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
         id(module),
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
-        "forward" in state,
-        "_hf_hook" in state,
+        forward_replaced(state),
         state.get("_disable_adapters"),
         names,
         len(state.get("merged_adapters", ())),
@@ -238,4 +250,11 @@ def group_weights(
     return group
 
 
-__all__ = ["group_weights", "projection_objects", "projection_stamp", "projection_weights"]
+__all__ = [
+    "forward_replaced",
+    "group_weights",
+    "hooked",
+    "projection_objects",
+    "projection_stamp",
+    "projection_weights",
+]

@@ -29,10 +29,10 @@ from fastft.contracts.moe import experts_transposed
 from fastft.kernels.custom_ops import compiling
 from fastft.kernels.lora_moe_experts import LoRAMoEExperts
 from fastft.kernels.lora_projection import LoRAWeights
+from fastft.patches.lora_layers import forward_replaced, hooked
 from fastft.patches.plans import planned
 
 _ROLES = ("gate_up_proj", "down_proj")
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,14 +50,9 @@ def _wrapper_chain(experts: torch.nn.Module) -> tuple[torch.nn.Module, dict[str,
     return module, wrappers
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    state = module.__dict__
-    return any(state[name] for name in _HOOKS) or "forward" in state or "_hf_hook" in state
-
-
 def _adapter(wrapper: torch.nn.Module, label: str) -> tuple[Any, ...] | str | None:
     """``(A, B, scale)`` of the wrapper's one active adapter, None when no LoRA term applies, or why not fused."""
-    if _hooked(wrapper):
+    if hooked(wrapper):
         return f"{label} has forward hooks the fused path would bypass"
     if getattr(wrapper, "merged", False):
         return f"{label}: adapter merged into the expert weights"
@@ -92,7 +87,7 @@ def _stamp(block: torch.nn.Module) -> tuple[Any, ...]:
     module = block._modules.get("experts")
     while module is not None:
         state = module.__dict__
-        parts += [id(module), len(state["_forward_hooks"]), len(state["_forward_pre_hooks"]), "forward" in state]
+        parts += [id(module), len(state["_forward_hooks"]), len(state["_forward_pre_hooks"]), forward_replaced(state)]
         parts += [id(p) for p in state["_parameters"].values()]
         parts += [p.requires_grad for p in state["_parameters"].values() if p is not None]
         if "lora_A" in state["_modules"]:
@@ -158,7 +153,7 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
     if activation is None:
         act = type(getattr(base, "act_fn", None)).__name__
         return f"{name}.experts: activation {act} has no fused grouped-expert kernel (fused: SiLU)"
-    if _hooked(base):
+    if hooked(base):
         return f"{name}.experts has forward hooks the fused path would bypass"
     weights = [base._parameters.get(role) for role in _ROLES]
     if any(w is None or w.dim() != 3 for w in weights):

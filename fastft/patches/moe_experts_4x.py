@@ -34,7 +34,13 @@ from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_moe_experts import LoRAMoEExperts
 from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, autocast_dtype, quant_state_of
 from fastft.kernels.moe_expert_table import ExpertTable
-from fastft.patches.lora_layers import group_weights, projection_objects, projection_stamp
+from fastft.patches.lora_layers import (
+    forward_replaced,
+    group_weights,
+    hooked,
+    projection_objects,
+    projection_stamp,
+)
 from fastft.patches.plans import planned
 
 # Each known expert class's (gate, up, down) projections.
@@ -56,11 +62,6 @@ def roles_of(cls: type) -> tuple[str, ...] | None:
     return None
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    state = module.__dict__
-    return bool(state["_forward_hooks"] or state["_forward_pre_hooks"]) or "forward" in state or "_hf_hook" in state
-
-
 def _base_weight(projection: torch.nn.Module) -> torch.Tensor | None:
     base = projection.__dict__["_modules"].get("base_layer", projection)
     return base.__dict__["_parameters"].get("weight")
@@ -74,10 +75,10 @@ def _stamp(block: torch.nn.Module) -> tuple[Any, ...]:
     if experts is None:
         return tuple(parts)
     state = experts.__dict__
-    parts += [len(state["_forward_hooks"]), len(state["_forward_pre_hooks"]), "forward" in state]
+    parts += [len(state["_forward_hooks"]), len(state["_forward_pre_hooks"]), forward_replaced(state)]
     for expert in state["_modules"].values():
         modules = expert.__dict__["_modules"]
-        parts += [id(expert), _hooked(expert), id(modules.get("act_fn"))]
+        parts += [id(expert), hooked(expert), id(modules.get("act_fn"))]
         for role in roles_of(type(expert)) or ():
             projection = modules.get(role)
             if projection is None:
@@ -125,7 +126,7 @@ def _collect(experts: torch.nn.ModuleList, roles: tuple[str, ...], name: str) ->
     collected = [_Role() for _ in roles]
     for index, expert in enumerate(experts):
         where = f"{name}.experts.{index}"
-        if _hooked(expert):
+        if hooked(expert):
             return f"{where} has forward hooks or a replaced forward the fused path would bypass"
         if not _silu(expert):
             act = type(expert.__dict__["_modules"].get("act_fn")).__name__
@@ -205,7 +206,7 @@ def _decide(block: torch.nn.Module, name: str) -> Run | str:
     experts = block.__dict__["_modules"].get("experts")
     if not isinstance(experts, torch.nn.ModuleList) or len(experts) == 0:
         return f"{name}.experts is not a ModuleList of expert MLPs"
-    if _hooked(experts):
+    if hooked(experts):
         return f"{name}.experts has forward hooks the fused path would bypass"
     kinds = {type(expert) for expert in experts}
     roles = roles_of(next(iter(kinds))) if len(kinds) == 1 else None
