@@ -163,3 +163,15 @@ def test_a_compiled_layer_call_runs_no_module_attribute_lookup(tiny_llama_dir):
     finally:
         sys.setprofile(None)
     assert looked_up == []
+
+
+def test_a_compiled_layer_reads_each_projection_by_one_path(tiny_llama_dir):
+    """Reading one object through ``module.__dict__[...]`` and as an attribute makes the compiled layer keep a Python
+    guard that the two are the same object, run on every call (``_is_lora_layer`` used to: 14 of them a layer)."""
+    model, _ = FastModel.from_pretrained(str(tiny_llama_dir), max_seq_length=64)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+    layer, args, kwargs = _layer_call(model, make_batch(model.config.vocab_size, batch=1, seq=8, pad=0))
+    explanation = torch._dynamo.explain(layer)(args[0].detach().requires_grad_(True), *args[1:], **kwargs)
+    codes = [code for guard in explanation.out_guards for code in guard.code_list or ()]
+    assert codes, "no guard code to inspect"
+    assert not [code for code in codes if "__dict__[" in code and " is " in code]

@@ -34,10 +34,16 @@ def _linear4bit_class() -> type | None:
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
-    # Read from the instance dicts, not with hasattr: see _hook_reason.
-    state = module.__dict__
-    modules = state["_modules"]
-    return "base_layer" in modules and "lora_A" in modules and "lora_B" in modules and "scaling" in state
+    # Read as the callers read them (module._modules, module.scaling), never through module.__dict__: a compiled
+    # layer reaching one object by two paths keeps a Python guard that the two are the same object, on every call.
+    # Both are instance attributes of a peft layer, so neither goes through Module.__getattr__ (see _hook_reason).
+    modules = module._modules
+    return (
+        "base_layer" in modules
+        and "lora_A" in modules
+        and "lora_B" in modules
+        and getattr(module, "scaling", None) is not None
+    )
 
 
 def forward_replaced(state: dict[str, Any]) -> bool:
