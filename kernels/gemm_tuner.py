@@ -1,15 +1,25 @@
 """Which GEMM runs the base projection of a fused LoRA group: torch's matmul (cuBLAS) or the fused Triton kernel.
 
-cuBLAS is the bar. On a CUDA device of compute capability 8.0 or newer, the first call of a group with a new
-(device, dtype, shape bucket) times the cuBLAS path (base GEMM, then the LoRA term added in place with ``addmm_``)
-against every Triton configuration of :mod:`fastft.kernels.gemm_configs` that passes the static check
-(:func:`fastft.kernels.compiled.usage`) on that device, keeps the fastest, and writes the choice to a JSON cache
-(``$FASTFT_CACHE_DIR`` or ``~/.cache/fastft``, file ``gemm-tuning.json``; written atomically; keyed with the torch,
-triton and fastft versions). A cache that cannot be read is tuned again and rewritten, never a crash.
+cuBLAS is the bar, in two orders:
 
-``FASTFT_GEMM=cublas|triton|auto`` (default ``auto``) overrides the choice. Below compute capability 8.0 and for fp32
-operands there is no Triton candidate (see :mod:`fastft.kernels.gemm_configs`), so even ``triton`` runs cuBLAS there,
-with one warning. On the CPU the cuBLAS path is torch's CPU matmul (the reference); under the Triton interpreter
+- ``cublas``: the base GEMM, then the LoRA term added in place (``addmm_`` with K = r), which reads and writes the
+  whole output a second time for a product of rank r;
+- ``cublas-accumulate``: the LoRA term first (``s·(X Aᵀ) Bᵀ``, a K = r GEMM that only writes), then the base GEMM
+  accumulates onto it in place (``beta = 1``), so the output is read once, in the base GEMM's epilogue, instead of
+  read and written again. Only for groups with LoRA. Which order is faster depends on the device and the shapes
+  (the H100 trace of ``bench/results/h100-2026-11-27b`` spends 15.6 ms of a 99.8 ms step in the separate LoRA adds),
+  so it is timed, never assumed.
+
+On a CUDA device, the first call of a group with a new (device, dtype, shape bucket) times both cuBLAS orders and,
+at compute capability 8.0 or newer, every Triton configuration of :mod:`fastft.kernels.gemm_configs` that passes
+the static check (:func:`fastft.kernels.compiled.usage`) on that device, keeps the fastest, and writes the choice to
+a JSON cache (``$FASTFT_CACHE_DIR`` or ``~/.cache/fastft``, file ``gemm-tuning.json``; written atomically; keyed
+with the torch, triton and fastft versions). A cache that cannot be read is tuned again and rewritten, never a crash.
+
+``FASTFT_GEMM=cublas|triton|auto`` (default ``auto``) overrides the choice; ``cublas`` pins the first order, untimed.
+Below compute capability 8.0 and for fp32 operands there is no Triton candidate (see
+:mod:`fastft.kernels.gemm_configs`), so even ``triton`` runs cuBLAS there (the faster order), with one warning. On
+the CPU the cuBLAS path is torch's CPU matmul (the reference, first order); under the Triton interpreter
 (``TRITON_INTERPRET=1``) ``auto`` runs the Triton kernel, which is how CI checks it.
 
 Every choice made in this process is kept for :func:`choices`, which ``patch_report`` and ``fastft doctor`` show.
@@ -45,7 +55,8 @@ GEMM_ENV = "FASTFT_GEMM"
 CACHE_ENV = "FASTFT_CACHE_DIR"
 NF4_DEQUANT_ENV = "FASTFT_NF4_DEQUANT"
 MODES = ("auto", "cublas", "triton")
-CACHE_FORMAT = 1
+# 2: the cuBLAS accumulate order joined the candidates; a choice made without it is timed again.
+CACHE_FORMAT = 2
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -53,8 +64,9 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run a group's base GEMM: ``cublas``, ``triton`` (16-bit weights, NF4 ones decoded into the reused
-    buffer first) or ``triton-nf4`` (NF4 tiles decoded inside the GEMM), with its Triton configuration."""
+    """One way to run a group's base GEMM: ``cublas``, ``cublas-accumulate`` (the LoRA term first, the base GEMM
+    accumulating onto it), ``triton`` (16-bit weights, NF4 ones decoded into the reused buffer first) or
+    ``triton-nf4`` (NF4 tiles decoded inside the GEMM), with its Triton configuration."""
 
     path: str
     config: GemmConfig | None = None
@@ -65,6 +77,7 @@ class Candidate:
 
 
 CUBLAS = Candidate("cublas")
+CUBLAS_ACCUMULATE = Candidate("cublas-accumulate")
 
 
 @dataclass
@@ -226,7 +239,8 @@ def tune(
 
     Args:
         key: The bucket's cache key.
-        options: cuBLAS first, then the Triton candidates.
+        options: Plain cuBLAS first (an error there is raised, not excluded), the other cuBLAS order, then the
+            Triton candidates.
         run: Runs one candidate once (compiling it on the first call).
         check: The static check of a candidate on this device (run after its first call); problems exclude it.
         timer: Seconds one call takes (``run`` wrapped in a zero-argument callable).
@@ -373,6 +387,12 @@ def triton_candidates(capability: int, dtype: torch.dtype, packed: bool, every: 
     return (dense if decode in (None, "buffer") else []) + (in_kernel if decode in (None, "kernel") else [])
 
 
+def cublas_candidates(ranks: Sequence[int]) -> list[Candidate]:
+    """The cuBLAS orders worth timing for a group: the plain one, and the accumulate order where a segment has LoRA
+    (without a low-rank term the two are the same GEMM)."""
+    return [CUBLAS, CUBLAS_ACCUMULATE] if any(ranks) else [CUBLAS]
+
+
 def no_triton_reason(capability: int, dtype: torch.dtype) -> str:
     """Why no Triton GEMM may run for this target and dtype, in one line."""
     if capability < 80:
@@ -419,21 +439,30 @@ def choose(
         return _record(group, "cpu", dtype, shape, Choice(Candidate(path, INTERPRETER), "Triton interpreter"))
     capability = targets.capability(x.device)
     options = triton_candidates(capability, dtype, packed)
+    matmuls = cublas_candidates(ranks)
+    no_triton = None
     if not options:
-        reason = no_triton_reason(capability, dtype)
+        no_triton = no_triton_reason(capability, dtype)
         if selected == "triton":
-            _warn_once(f"fastft: {GEMM_ENV}=triton ignored for {dtype} on sm_{capability}: {reason}; running cuBLAS.")
-        return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, reason))
-    if selected == "triton":
+            _warn_once(
+                f"fastft: {GEMM_ENV}=triton ignored for {dtype} on sm_{capability}: {no_triton}; running cuBLAS."
+            )
+        if len(matmuls) == 1:
+            return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, no_triton))
+    elif selected == "triton":
         return _record(group, f"sm_{capability}", dtype, shape, Choice(options[0], f"{GEMM_ENV}=triton"))
     if x.is_meta:
-        # A simulated target (the static check) has nothing to time: cuBLAS stays, as it does until Triton wins.
-        return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, "simulated target: nothing to time"))
+        # A simulated target (the static check) has nothing to time: plain cuBLAS stays, as it does until another
+        # candidate wins on a real device.
+        reason = "simulated target: nothing to time" + ("" if no_triton is None else f"; {no_triton}")
+        return _record(group, f"sm_{capability}", dtype, shape, Choice(CUBLAS, reason))
     name = _device_name(x.device)
     key = f"{name}|sm_{capability}|{str(dtype).removeprefix('torch.')}|{group}|{shape}"
     choice = _memo.get(key)
     if choice is None:
-        choice = tune(key, [CUBLAS, *options], run, check=check, timer=timer or cuda_timer, path=cache_file())
+        choice = tune(key, [*matmuls, *options], run, check=check, timer=timer or cuda_timer, path=cache_file())
+        if no_triton is not None and no_triton not in choice.reason:
+            choice.reason += f"; no Triton candidate: {no_triton}"
         _memo[key] = choice
     return _record(group, name, dtype, shape, choice)
 
@@ -456,15 +485,21 @@ def policy(device: torch.device | str | None = None) -> str:
         return "Triton kernel through the interpreter (TRITON_INTERPRET=1)"
     capability = targets.capability(device)
     if not candidates(capability, torch.float16):
-        return f"cuBLAS ({no_triton_reason(capability, torch.float16)})"
+        return (
+            f"cuBLAS, its two orders timed on first use and cached in {cache_file()} "
+            f"({no_triton_reason(capability, torch.float16)})"
+        )
     if selected == "triton":
         return f"Triton ({GEMM_ENV}=triton)"
-    return f"auto: cuBLAS or Triton, whichever is faster, tuned on first use and cached in {cache_file()}"
+    return (
+        f"auto: cuBLAS (either order) or Triton, whichever is faster, tuned on first use and cached in {cache_file()}"
+    )
 
 
 __all__ = [
     "CACHE_ENV",
     "CUBLAS",
+    "CUBLAS_ACCUMULATE",
     "GEMM_ENV",
     "MODES",
     "NF4_DEQUANT_ENV",
@@ -476,6 +511,7 @@ __all__ = [
     "cache_versions",
     "choices",
     "choose",
+    "cublas_candidates",
     "cuda_timer",
     "force",
     "mode",

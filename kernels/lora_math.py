@@ -11,7 +11,8 @@ For every segment ``i`` of a group (q, k, v; gate, up; o; down) with frozen base
 Forward runs one small GEMM for every segment's ``X Aᵀ`` at once (the A's stacked; where they and the B's need a
 cast, one ``_foreach_copy_`` stacks and casts them all: :func:`cast_adapters`), then the base
 GEMM with the LoRA term: torch's matmul (cuBLAS; the bias through ``addmm``, the low-rank term added in place with
-``addmm_(alpha=s)``) or the fused Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever
+``addmm_(alpha=s)``, or in the other order the low-rank term first and the base GEMM accumulated onto it) or the fused
+Triton kernel of :mod:`fastft.kernels.lora_gemm`, whichever
 :func:`fastft.kernels.gemm_tuner.choose` picked. The pick is memoised in the group's :class:`Spec` under
 :func:`fastft.kernels.gemm_tuner.plan_key`, so the tuner (which builds a bucket, reads the environment and records the
 choice for ``patch_report``) runs only when that key is new. Only ``X`` and the small ``X Aᵀ`` are kept for backward,
@@ -50,6 +51,8 @@ LAYOUT_FIELDS = 6
 
 # Bound once: linear(x, W[, b]) is mm(x, Wᵀ) (addmm with a bias) for 2-D x, with the transpose done in C++.
 _linear = torch.nn.functional.linear
+# The candidates that run torch's matmul (cuBLAS on CUDA), in their two orders (gemm_tuner's module docstring).
+_CUBLAS_PATHS = ("cublas", "cublas-accumulate")
 
 
 class Spec:
@@ -193,9 +196,11 @@ def run(
 ) -> list[torch.Tensor]:
     """The group's outputs through one GEMM candidate; ``lora_b`` the LoRA segments' B's, every tensor already in x's
     dtype."""
-    if candidate.path == "cublas":
+    if candidate.path in _CUBLAS_PATHS:
         if spec.any_packed:
             weights = dense_bases(weights, quant_states, segment_shapes(spec), x2d.dtype)
+        if candidate.path == "cublas-accumulate":
+            return _accumulated(spec, x2d, weights, xa, lora_b, biases)
         return _dense(spec, x2d, weights, xa, lora_b, biases)
     # The Triton kernels take a B per segment (None without LoRA), contiguous B's and biases; contiguous() is free on
     # those that already are.
@@ -208,7 +213,7 @@ def run(
 
 
 def _check(candidate: Candidate, x2d: torch.Tensor) -> list[str]:
-    if candidate.path == "cublas":
+    if candidate.path in _CUBLAS_PATHS:
         return []
     capability = targets.capability(x2d.device)
     return usage(last_kernel(), capability, has_dot=True, sixteen_bit=x2d.dtype != torch.float32).problems
@@ -389,6 +394,35 @@ def _dense(
         if j >= 0:
             out.addmm_(xa if columns is None else xa[:, columns], lora_b[j].t(), alpha=scale)
         outputs.append(out)
+    return outputs
+
+
+def _accumulated(
+    spec: Spec,
+    x2d: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    xa: torch.Tensor | None,
+    lora_b: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    # The same sum as _dense in the other order: the rank-r term (and the bias) first, into a new output that the
+    # base GEMM then accumulates onto (beta = 1), reading it once in its epilogue; _dense's addmm_ reads and writes
+    # the whole output again after the base GEMM. A segment without LoRA is one GEMM either way.
+    dtype = x2d.dtype
+    outputs = []
+    for i, j, columns, scale in spec.segments:
+        weight = weights[i]
+        if weight.dtype != dtype:
+            weight = weight.to(dtype)
+        bias = None if biases is None else biases[i]
+        if j < 0:
+            outputs.append(_linear(x2d, weight, bias))
+            continue
+        low_rank = xa if columns is None else xa[:, columns]
+        # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
+        start = unread_zero(x2d) if bias is None else bias
+        out = torch.addmm(start, low_rank, lora_b[j].t(), beta=0 if bias is None else 1, alpha=scale)
+        outputs.append(out.addmm_(x2d, weight.t()))
     return outputs
 
 

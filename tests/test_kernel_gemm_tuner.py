@@ -10,10 +10,13 @@ import logging
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, TOLERANCE, relative_error
+from test_kernel_lora import HIDDEN, NO_BIAS, QWEN2_BIAS, qkv_projections
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastft.kernels import LoRAWeights, compile_cases, compile_check, dispatch, gemm_tuner, lora_qkv, targets
+from fastft.kernels import LoRAWeights, compile_cases, compile_check, dispatch, gemm_tuner, lora_math, lora_qkv, targets
 from fastft.kernels.gemm_configs import GemmConfig, candidates
-from fastft.kernels.gemm_tuner import CUBLAS, Candidate, force, tune
+from fastft.kernels.gemm_tuner import CUBLAS, CUBLAS_ACCUMULATE, Candidate, force, tune
+from fastft.kernels.lora_group import LoRAGroup
 
 MODEL = compile_check.Model(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 
@@ -47,7 +50,48 @@ def test_compute_capability_7_5_never_selects_the_triton_gemm(dtype, nf4):
     for choice in chosen:
         assert choice["path"] == "cublas", choice
         assert "compute capability 7.5 < 8.0" in choice["reason"] and "tensor cores" in choice["reason"]
-    assert not (gemm_tuner.cache_file()).exists(), "nothing to tune, nothing cached"
+        # Every group here has LoRA, so its two cuBLAS orders would be timed on a real T4; a simulated one cannot.
+        assert choice["reason"].startswith("simulated target: nothing to time"), choice
+    assert not (gemm_tuner.cache_file()).exists(), "nothing timed, nothing cached"
+
+
+def test_both_cublas_orders_are_candidates_only_where_there_is_a_low_rank_term():
+    assert gemm_tuner.cublas_candidates((16, 8, 0)) == [CUBLAS, CUBLAS_ACCUMULATE]
+    assert gemm_tuner.cublas_candidates((0, 0)) == [CUBLAS]
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((str(func), args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("nf4", ["dense", "params4bit-nested"])
+@pytest.mark.parametrize("biases", [NO_BIAS, QWEN2_BIAS], ids=["no-bias", "bias"])
+def test_the_accumulate_order_computes_the_plain_order_s_outputs_and_writes_each_output_once(nf4, biases):
+    gen = torch.Generator().manual_seed(11)
+    # q and v with LoRA (two scales), k without: both kinds of segment in one group.
+    projections = qkv_projections(torch.float32, gen, [(4, 0.25), None, (2, 3.0)], nf4=(nf4,) * 3, biases=biases)
+    group = LoRAGroup("lora_qkv", ("q_proj", "k_proj", "v_proj"), projections, "qkv")
+    spec, count = group._spec, group._lora_count
+    x = torch.randn(7, HIDDEN, generator=gen).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        xa, lora_b = lora_math.forward_xa(spec, x, group._adapters[:count], group._adapters[count:])
+        inputs = (spec, x, group._weights, group._quant_states, xa, lora_b, group._biases)
+        plain = lora_math.run(CUBLAS, *inputs)
+        with _Calls() as mode:
+            accumulated = lora_math.run(CUBLAS_ACCUMULATE, *inputs)
+    for got, expected in zip(accumulated, plain, strict=True):
+        assert got.shape == expected.shape and got.is_contiguous()
+        assert relative_error(got, expected) < TOLERANCE[torch.float32]
+    # The only in-place GEMMs are the base GEMMs (K = hidden) accumulating onto the low-rank terms; the plain order's
+    # are the rank-r adds onto the base GEMMs' outputs.
+    in_place = [args[1].shape[1] for name, args in mode.calls if name == "aten.addmm_.default"]
+    assert in_place == [HIDDEN, HIDDEN], mode.calls
 
 
 def test_forcing_triton_below_8_0_still_runs_cublas_and_says_so_once(monkeypatch):
