@@ -8,7 +8,10 @@ For every segment ``i`` with frozen base ``W_i``, LoRA ``A_i``, ``B_i`` and scal
     dB_i = s_i dY_iᵀ (X A_iᵀ)
 
 Every ``dX`` contribution is gathered in one buffer with ``addmm_``; ``dA`` and ``dB`` are one ``addmm`` each with the
-scale as its ``alpha`` (``beta=0`` over a cached zero scalar: no separate scaling pass).
+scale as its ``alpha`` (``beta=0`` over a cached zero scalar: no separate scaling pass). The order of the ``dX`` sum
+follows the forward's GEMM (:mod:`fastft.kernels.gemm_tuner`): the base GEMMs first and the rank-r terms added onto
+their sum, or, where the forward ran ``cublas-accumulate``, the rank-r terms first (written, not read back) and the
+base GEMMs accumulated onto them.
 
 Where a group's two or more adapters share one scale (q, k, v; gate, up: how peft makes them), their ``dY_i B_i`` are
 written side by side into one ``[M, Σ r]`` buffer, so the low-rank part of ``dX`` is one GEMM against the stacked A's
@@ -142,6 +145,8 @@ def backward_input(
                 g = g.to(dtype)
         flat.append(g)
     grad_x = None
+    # The forward's order (module docstring); without LoRA there is only the base sum.
+    accumulate = needs_x and bool(spec.lora) and casts is not None and casts.get("accumulate", False)
     if needs_x:
         live = [i for i, g in enumerate(flat) if g is not None]
         if spec.any_packed:
@@ -149,10 +154,8 @@ def backward_input(
             dense = dense_bases([weights[i] for i in live], states, segment_shapes(spec, live), dtype)
         else:
             dense = [weights[i] if weights[i].dtype == dtype else weights[i].to(dtype) for i in live]
-        for i, weight in zip(live, dense, strict=True):
-            grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
-        if grad_x is None:
-            grad_x = torch.zeros(x_like.shape, dtype=dtype, device=x_like.device)
+        if not accumulate:
+            grad_x = _base_terms(None, flat, live, dense, x_like)
     pending = PendingLoRAGrads(spec, lora_a, lora_b, None if casts is None else casts.get("grads"))
     if not spec.lora:
         return grad_x, pending
@@ -162,8 +165,8 @@ def backward_input(
     if cast_a is not None and cast_a.dtype != dtype:
         cast_a = cast_b = None
     if spec.grouped_scale is not None and all(needs_lora) and all(flat[i] is not None for i in spec.lora):
-        _grouped(spec, pending, flat, xa, lora_a, lora_b, cast_a, cast_b, grad_x, dtype)
-        return grad_x, pending
+        grad_x = _grouped(spec, pending, flat, xa, lora_a, lora_b, cast_a, cast_b, grad_x, needs_x, dtype)
+        return (_base_terms(grad_x, flat, live, dense, x_like) if accumulate else grad_x), pending
     entries = pending._entries
     for i, j, columns, scale in spec.segments:
         if j < 0:
@@ -184,8 +187,30 @@ def backward_input(
         if needs_x:
             if cast_a is not None:
                 a = cast_a if columns is None else cast_a[columns]
-            grad_x.addmm_(dyb, a if a.dtype == dtype else a.to(dtype), alpha=scale)
-    return grad_x, pending
+            grad_x = _low_rank_term(grad_x, dyb, a if a.dtype == dtype else a.to(dtype), scale)
+    return (_base_terms(grad_x, flat, live, dense, x_like) if accumulate else grad_x), pending
+
+
+def _base_terms(
+    grad_x: torch.Tensor | None,
+    flat: Sequence[torch.Tensor | None],
+    live: Sequence[int],
+    dense: Sequence[torch.Tensor],
+    x_like: torch.Tensor,
+) -> torch.Tensor:
+    # Σ dY_i W_i added onto grad_x (written by the first GEMM where there is none yet); zeros where nothing came.
+    for i, weight in zip(live, dense, strict=True):
+        grad_x = torch.mm(flat[i], weight) if grad_x is None else grad_x.addmm_(flat[i], weight)
+    if grad_x is None:
+        grad_x = torch.zeros(x_like.shape, dtype=x_like.dtype, device=x_like.device)
+    return grad_x
+
+
+def _low_rank_term(grad_x: torch.Tensor | None, dyb: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    # s (dY B) A added onto grad_x, or written as its first term (beta = 0 over the cached zero: nothing read).
+    if grad_x is None:
+        return torch.addmm(unread_zero(dyb), dyb, a, beta=0, alpha=scale)
+    return grad_x.addmm_(dyb, a, alpha=scale)
 
 
 def _grouped(
@@ -198,10 +223,12 @@ def _grouped(
     cast_a: torch.Tensor | None,
     cast_b: Sequence[torch.Tensor] | None,
     grad_x: torch.Tensor | None,
+    needs_x: bool,
     dtype: torch.dtype,
-) -> None:
+) -> torch.Tensor | None:
     # Every adapter's dY_j B_j into its columns of one [M, Σ r] buffer (the same columns as X Aᵀ's), then the
-    # low-rank part of dX as one GEMM against the stacked A's; dA waits for X in one entry.
+    # low-rank part of dX as one GEMM against the stacked A's (added onto grad_x, or its first term); dA waits for X
+    # in one entry. Returns grad_x.
     scale = spec.grouped_scale
     first = flat[spec.lora[0]]
     dyb = torch.empty((first.shape[0], xa.shape[1]), dtype=dtype, device=first.device)
@@ -211,11 +238,12 @@ def _grouped(
     for grad, b, out in zip(grads, lora_b if cast_b is None else cast_b, dyb_parts, strict=True):
         torch.mm(grad, b if b.dtype == dtype else b.to(dtype), out=out)
     xas = torch.split_with_sizes(xa, spec.lora_rows, dim=1)
-    if grad_x is not None:
+    if needs_x:
         stacked = torch.cat(list(lora_a)) if cast_a is None else cast_a
-        grad_x.addmm_(dyb, stacked if stacked.dtype == dtype else stacked.to(dtype), alpha=scale)
+        grad_x = _low_rank_term(grad_x, dyb, stacked if stacked.dtype == dtype else stacked.to(dtype), scale)
     pending._entries.append((_GROUPED, dyb, grads, xas, scale, dyb_parts))
     pending.needs_x = True
+    return grad_x
 
 
 __all__ = ["PendingLoRAGrads", "backward_input"]

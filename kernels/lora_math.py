@@ -267,12 +267,17 @@ def forward(
     backward. Only between the two halves of one node: across steps an optimizer may write the weights without
     telling autograd (bitsandbytes' 8-bit optimizers do), so no cast outlives its node. Casts already there (a
     node holding several groups cast them all at once: :func:`cast_groups`) are used as they are; ``casts["grads"]``
-    (``(sources, targets)`` lists), where present, takes the LoRA gradients' casts for that node to do at once."""
+    (``(sources, targets)`` lists), where present, takes the LoRA gradients' casts for that node to do at once.
+    ``casts["accumulate"]`` is set to whether the GEMM ran in the accumulate order, for the same node's backward."""
     dtype = x2d.dtype
     xa, lora_b = forward_xa(spec, x2d, lora_a, lora_b, casts)
     if biases is not None:
         biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
+    if casts is not None:
+        # The node's backward sums its dX the same way round (lora_backward.backward_input): the order this device
+        # measured faster for the forward's output holds for dX, the same kind of sum.
+        casts["accumulate"] = candidate.path == "cublas-accumulate"
     return run(candidate, spec, x2d, weights, quant_states, xa, lora_b, biases), xa
 
 

@@ -94,6 +94,43 @@ def test_the_accumulate_order_computes_the_plain_order_s_outputs_and_writes_each
     assert in_place == [HIDDEN, HIDDEN], mode.calls
 
 
+@pytest.mark.parametrize(
+    "loras",
+    [[(4, 2.0)] * 3, [(4, 0.25), None, (2, 3.0)]],
+    ids=["one-scale", "mixed"],
+)
+def test_a_node_whose_forward_accumulated_sums_its_dx_the_same_way_round(monkeypatch, loras):
+    # One scale: the grouped backward (one dY B buffer); mixed scales and a segment without LoRA: one term each.
+    gen = torch.Generator().manual_seed(5)
+    projections = qkv_projections(torch.float32, gen, loras, nf4=("dense",) * 3, biases=NO_BIAS)
+    x = torch.randn(2, 5, HIDDEN, generator=gen).to(KERNEL_DEVICE)
+    upstream = [torch.randn(2, 5, p.weight.shape[0], generator=gen).to(KERNEL_DEVICE) for p in projections]
+    leaves = [t for p in projections if p.lora_a is not None for t in (p.lora_a, p.lora_b)]
+    results = {}
+    for candidate in (CUBLAS, CUBLAS_ACCUMULATE):
+        monkeypatch.setattr(lora_math, "plan", lambda *args, candidate=candidate: candidate)
+        inputs = x.clone().requires_grad_()
+        outputs = lora_qkv(inputs, *projections)
+        with _Calls() as mode:
+            grads = torch.autograd.grad(outputs, [inputs, *leaves], upstream)
+        in_place = [args[1].shape[1] for name, args in mode.calls if name == "aten.addmm_.default"]
+        results[candidate.path] = outputs, grads, in_place
+    plain, accumulated = results["cublas"], results["cublas-accumulate"]
+    for got, expected in zip((*accumulated[0], *accumulated[1]), (*plain[0], *plain[1]), strict=True):
+        assert relative_error(got, expected) < TOLERANCE[torch.float32]
+    widths = {p.weight.shape[0] for p in projections}
+
+    def kinds(in_place):
+        return ["base" if k in widths else "rank" for k in in_place]
+
+    # Plain: dX starts as the first base GEMM (not in place), the rank-r terms come last, onto the base sum.
+    # Accumulated: dX starts as a rank-r term, and all three base GEMMs accumulate onto the low-rank sum after it.
+    plain_kinds, accumulated_kinds = kinds(plain[2]), kinds(accumulated[2])
+    assert plain_kinds.count("base") == 2 and plain_kinds[-1] == "rank", plain[2]
+    assert accumulated_kinds.count("base") == 3, accumulated[2]
+    assert "rank" not in accumulated_kinds[accumulated_kinds.index("base") :], accumulated[2]
+
+
 def test_forcing_triton_below_8_0_still_runs_cublas_and_says_so_once(monkeypatch):
     monkeypatch.setenv(gemm_tuner.GEMM_ENV, "triton")
     with pytest.warns(UserWarning, match=r"FASTFT_GEMM=triton ignored .* sm_75.*running cuBLAS") as caught:
