@@ -77,6 +77,10 @@ def test_compiled_fastft_rows_run_only_when_named(tmp_path):
     assert (runs["fastft"]["fastft_compiled_layers"], runs["fastft+compile"]["fastft_compiled_layers"]) == (0, layers)
     assert runs["fastft+compile"]["loss"] == pytest.approx(runs["fastft"]["loss"], rel=1e-5)
     assert runs["fastft+compile"]["first_step_s"] > 0
+    # Each fused group's GEMM choice is in the eager row's record, so a GPU step can be read against it.
+    choices = runs["fastft"]["fastft_gemm_choices"]
+    assert {c["group"] for c in choices} == {"qkv", "o", "gate_up", "down"}
+    assert all(c["path"] and c["reason"] for c in choices), choices
 
 
 @pytest.fixture(scope="module")

@@ -334,6 +334,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         from fastft.loading.compile import compiled_layers
 
         record["fastft_compiled_layers"] = compiled_layers(model)
+        from fastft.kernels import gemm_tuner
+
+        # What each fused group's GEMM ran (cuBLAS in either order, or a Triton configuration) and why: on a GPU the
+        # tuner's timings, so a step can be read against the choice it made.
+        record["fastft_gemm_choices"] = gemm_tuner.choices()
     record.update(_extras(spec, model, step, statistics.median(times), measure_module))
     return record
 
