@@ -175,3 +175,17 @@ def test_a_compiled_layer_reads_each_projection_by_one_path(tiny_llama_dir):
     codes = [code for guard in explanation.out_guards for code in guard.code_list or ()]
     assert codes, "no guard code to inspect"
     assert not [code for code in codes if "__dict__[" in code and " is " in code]
+
+
+def test_a_function_wrapper_built_while_tracing_is_the_function_s_own_apply(monkeypatch):
+    # A compiled layer builds its plans (LoRAGroups among them) inside the traced region. torch 2.15's dynamo cannot
+    # evaluate direct_apply's super() lookup there (InternalTorchDynamoError: AutogradFunctionVariable() is not a
+    # constant), so while compiling it hands back Function.apply, which traced code never calls (it takes the custom
+    # ops) and dynamo would trace itself.
+    from fastft.kernels import custom_ops
+    from fastft.kernels.rms_norm import RMSNormFunction
+
+    eager = custom_ops.direct_apply(RMSNormFunction)
+    assert eager != RMSNormFunction.apply
+    monkeypatch.setattr(custom_ops, "compiling", lambda: True)
+    assert custom_ops.direct_apply(RMSNormFunction) == RMSNormFunction.apply
