@@ -199,9 +199,7 @@ def run(
     if candidate.path in _CUBLAS_PATHS:
         if spec.any_packed:
             weights = dense_bases(weights, quant_states, segment_shapes(spec), x2d.dtype)
-        if candidate.path == "cublas-accumulate":
-            return _accumulated(spec, x2d, weights, xa, lora_b, biases)
-        return _dense(spec, x2d, weights, xa, lora_b, biases)
+        return _dense(spec, x2d, weights, xa, lora_b, biases, candidate.path == "cublas-accumulate")
     # The Triton kernels take a B per segment (None without LoRA), contiguous B's and biases; contiguous() is free on
     # those that already are.
     lora_b = [None if b is None else b.contiguous() for b in _per_segment(spec, lora_b)]
@@ -385,34 +383,12 @@ def _dense(
     xa: torch.Tensor | None,
     lora_b: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None] | None,
+    accumulate: bool = False,
 ) -> list[torch.Tensor]:
-    # The cuBLAS path (NF4 bases dequantised first), straight-line from the segment table: the base GEMM (the bias
-    # through addmm's epilogue), then the low-rank term added in place.
-    dtype = x2d.dtype
-    outputs = []
-    for i, j, columns, scale in spec.segments:
-        weight = weights[i]
-        if weight.dtype != dtype:
-            weight = weight.to(dtype)
-        bias = None if biases is None else biases[i]
-        out = _linear(x2d, weight, bias)
-        if j >= 0:
-            out.addmm_(xa if columns is None else xa[:, columns], lora_b[j].t(), alpha=scale)
-        outputs.append(out)
-    return outputs
-
-
-def _accumulated(
-    spec: Spec,
-    x2d: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    xa: torch.Tensor | None,
-    lora_b: Sequence[torch.Tensor],
-    biases: Sequence[torch.Tensor | None] | None,
-) -> list[torch.Tensor]:
-    # The same sum as _dense in the other order: the rank-r term (and the bias) first, into a new output that the
-    # base GEMM then accumulates onto (beta = 1), reading it once in its epilogue; _dense's addmm_ reads and writes
-    # the whole output again after the base GEMM. A segment without LoRA is one GEMM either way.
+    # The cuBLAS path (NF4 bases dequantised first), straight-line from the segment table, in either order
+    # (gemm_tuner): the base GEMM (the bias through addmm's epilogue), then the low-rank term added in place, which
+    # reads and writes the whole output again; or the low-rank term (and the bias) first, into a new output that the
+    # base GEMM accumulates onto (beta = 1), reading it once in its epilogue. Without LoRA, one GEMM either way.
     dtype = x2d.dtype
     outputs = []
     for i, j, columns, scale in spec.segments:
@@ -424,10 +400,13 @@ def _accumulated(
             outputs.append(_linear(x2d, weight, bias))
             continue
         low_rank = xa if columns is None else xa[:, columns]
-        # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
-        start = unread_zero(x2d) if bias is None else bias
-        out = torch.addmm(start, low_rank, lora_b[j].t(), beta=0 if bias is None else 1, alpha=scale)
-        outputs.append(out.addmm_(x2d, weight.t()))
+        if accumulate:
+            # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
+            start = unread_zero(x2d) if bias is None else bias
+            out = torch.addmm(start, low_rank, lora_b[j].t(), beta=0 if bias is None else 1, alpha=scale)
+            outputs.append(out.addmm_(x2d, weight.t()))
+        else:
+            outputs.append(_linear(x2d, weight, bias).addmm_(low_rank, lora_b[j].t(), alpha=scale))
     return outputs
 
 
