@@ -52,7 +52,8 @@ LAYOUT_FIELDS = 6
 # Bound once: linear(x, W[, b]) is mm(x, Wᵀ) (addmm with a bias) for 2-D x, with the transpose done in C++.
 _linear = torch.nn.functional.linear
 # The candidates that run torch's matmul (cuBLAS on CUDA), in their two orders (gemm_tuner's module docstring).
-_CUBLAS_PATHS = ("cublas", "cublas-accumulate")
+_ACCUMULATE = gemm_tuner.CUBLAS_ACCUMULATE.path
+_CUBLAS_PATHS = (gemm_tuner.CUBLAS.path, _ACCUMULATE)
 
 
 class Spec:
@@ -199,7 +200,7 @@ def run(
     if candidate.path in _CUBLAS_PATHS:
         if spec.any_packed:
             weights = dense_bases(weights, quant_states, segment_shapes(spec), x2d.dtype)
-        return _dense(spec, x2d, weights, xa, lora_b, biases, candidate.path == "cublas-accumulate")
+        return _dense(spec, x2d, weights, xa, lora_b, biases, candidate.path == _ACCUMULATE)
     # The Triton kernels take a B per segment (None without LoRA), contiguous B's and biases; contiguous() is free on
     # those that already are.
     lora_b = [None if b is None else b.contiguous() for b in _per_segment(spec, lora_b)]
@@ -275,7 +276,7 @@ def forward(
     if casts is not None:
         # The node's backward sums its dX the same way round (lora_backward.backward_input): the order this device
         # measured faster for the forward's output holds for dX, the same kind of sum.
-        casts["accumulate"] = candidate.path == "cublas-accumulate"
+        casts["accumulate"] = candidate.path == _ACCUMULATE
     return run(candidate, spec, x2d, weights, quant_states, xa, lora_b, biases), xa
 
 
