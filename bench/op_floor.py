@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastft.bench.operators import OperatorMode
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(OperatorMode):
     """Counts every aten operator dispatched while open (autograd's backward included), by name; with ``record``,
     also keeps each call (operator, arguments) in order."""
 

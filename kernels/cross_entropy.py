@@ -35,6 +35,7 @@ import numbers
 import torch
 
 from fastft.kernels import dispatch
+from fastft.kernels.custom_ops import math_backward
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.head_inputs import TargetRangeCheck, check_head_inputs
 
@@ -384,7 +385,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return row_loss.sum() / denominator
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @math_backward
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight, denominator = ctx.saved_tensors
         factor = grad_output.to(torch.float32) / denominator

@@ -51,6 +51,7 @@ import torch
 
 from fastft.kernels import dispatch
 from fastft.kernels.cross_entropy import LOGITS_CHUNK_BYTES, _check_softcap
+from fastft.kernels.custom_ops import math_backward
 from fastft.kernels.head_inputs import check_head_inputs
 from fastft.kernels.logprob_tiles import Stats, Transform, fold_torch, fold_triton, grad_torch, grad_triton
 
@@ -381,7 +382,7 @@ class FusedLinearLogProbsFunction(torch.autograd.Function):
         return log_probs, entropy, log_sum_sq, mean, top1
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @math_backward
     def backward(ctx, grad_log_probs, grad_entropy, *_unused):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
         none = (None,) * 8

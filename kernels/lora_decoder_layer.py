@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from fastft.kernels.custom_ops import direct_apply
+from fastft.kernels.custom_ops import below_autograd, direct_apply
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_math import cast_groups
 from fastft.kernels.lora_mlp import LoRAMLP, mlp_backward, mlp_forward
@@ -107,20 +107,22 @@ def _forward(
     """
     (cos, sin), (input_weight, post_weight) = tables, norms
     batch, seq, hidden = x.shape
+    # Made above below_autograd(): a saved view of the input must share the input's version counter.
     x2d = x.reshape(-1, hidden)
     qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
     casts: tuple[Any, ...] = ({}, {}, ({}, {}))
 
-    normed, input_rstd = rms_norm_forward(x2d, input_weight, spec.input_eps, 0.0, True)
-    group_in = normed if dtype is None else normed.to(dtype)
-    # peft's fp32 adapters over a 16-bit base: all four groups' casts in one copy (a group whose input turns out to
-    # be of another dtype casts its own).
-    if any(adapter.dtype != group_in.dtype for adapter in adapters):
-        cast_groups(spec.lora_groups(adapters), group_in.dtype, (casts[0], casts[1], *casts[2]))
-    with _autocast_off(x, dtype):
-        query, key, value, xa_qkv = qkv_rope_forward(
-            spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts[0]
-        )
+    with below_autograd():
+        normed, input_rstd = rms_norm_forward(x2d, input_weight, spec.input_eps, 0.0, True)
+        group_in = normed if dtype is None else normed.to(dtype)
+        # peft's fp32 adapters over a 16-bit base: all four groups' casts in one copy (a group whose input turns out
+        # to be of another dtype casts its own).
+        if any(adapter.dtype != group_in.dtype for adapter in adapters):
+            cast_groups(spec.lora_groups(adapters), group_in.dtype, (casts[0], casts[1], *casts[2]))
+        with _autocast_off(x, dtype):
+            query, key, value, xa_qkv = qkv_rope_forward(
+                spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts[0]
+            )
     if ctx is None:
         attention = attend(query, key, value)
         graph = None
@@ -131,6 +133,32 @@ def _forward(
             out = attend(query, key, value)
         graph = (query, key, value, out)
         attention = out.detach()
+    with below_autograd():
+        out = _forward_rest(spec, x, x2d, attention, post_weight, o_adapters, mlp_adapters, casts, dtype, output)
+    hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out = out
+
+    if ctx is not None:
+        ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
+        # Positional, in _Saved's order (a NamedTuple cannot be saved as such, its fields can).
+        saved = (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in)
+        ctx.save_for_backward(*saved, *mlp_saved, input_weight, post_weight, *adapters)
+    return out
+
+
+def _forward_rest(
+    spec: DecoderLayerSpec,
+    x: torch.Tensor,
+    x2d: torch.Tensor,
+    attention: torch.Tensor,
+    post_weight: torch.Tensor,
+    o_adapters: Sequence[torch.Tensor],
+    mlp_adapters: Sequence[torch.Tensor],
+    casts: tuple[Any, ...],
+    dtype: torch.dtype | None,
+    output: bool,
+) -> tuple[Any, ...]:
+    """The layer after the attention (o, residual, norm, MLP, residual), run inside :func:`below_autograd`."""
+    batch, seq, _ = x.shape
     attention2d = attention.reshape(batch * seq, -1)
     o_in = attention2d if dtype is None else attention2d.to(dtype)
     with _autocast_off(x, dtype):
@@ -147,13 +175,7 @@ def _forward(
         # The backward never reads the output: a recompute for it skips the down GEMM and the residual add. The MLP
         # writes in its input's dtype, so this is the dtype the add would have given.
         out = hidden_states.new_empty(hidden_states.shape, dtype=torch.promote_types(hidden_states.dtype, mlp_in.dtype))
-
-    if ctx is not None:
-        ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
-        # Positional, in _Saved's order (a NamedTuple cannot be saved as such, its fields can).
-        saved = (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in)
-        ctx.save_for_backward(*saved, *mlp_saved, input_weight, post_weight, *adapters)
-    return out.view(batch, seq, out.shape[-1])
+    return hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out.view(batch, seq, out.shape[-1])
 
 
 def attention_backward(
@@ -312,69 +334,77 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
         for casts in (qkv_casts, o_casts, *mlp_casts):
             casts["grads"] = deferred
 
-        grad2d = grad.reshape(-1, hidden)
-        grad_mlp_in, mlp_a, mlp_b = mlp_backward(
-            spec.mlp, saved.mlp_in, saved[11:], mlp_adapters, grad2d, True, mlp_needs, mlp_casts
-        )
-        # The residual stream's gradient (what reaches h from the layer's output) joins the norm's in its kernel.
-        fold = grad2d.dtype == saved.hidden_states.dtype
-        grad_hidden, grad_post_weight = rms_norm_backward(
-            grad_mlp_in,
-            saved.hidden_states,
-            post_weight,
-            saved.post_rstd,
-            0.0,
-            True,
-            True,
-            needs[7],
-            grad2d if fold else None,
-        )
-        if not fold:
-            grad_hidden = grad_hidden + grad2d
+        with below_autograd():
+            grad2d = grad.reshape(-1, hidden)
+            grad_mlp_in, mlp_a, mlp_b = mlp_backward(
+                spec.mlp, saved.mlp_in, saved[11:], mlp_adapters, grad2d, True, mlp_needs, mlp_casts
+            )
+            # The residual stream's gradient (what reaches h from the layer's output) joins the norm's in its kernel.
+            fold = grad2d.dtype == saved.hidden_states.dtype
+            grad_hidden, grad_post_weight = rms_norm_backward(
+                grad_mlp_in,
+                saved.hidden_states,
+                post_weight,
+                saved.post_rstd,
+                0.0,
+                True,
+                True,
+                needs[7],
+                grad2d if fold else None,
+            )
+            if not fold:
+                grad_hidden = grad_hidden + grad2d
 
-        grad_o_in, o_a, o_b = spec.o.backward_math(
-            saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
-        )
+            grad_o_in, o_a, o_b = spec.o.backward_math(
+                saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
+            )
+        if ctx.graph is None:
+            raise RuntimeError(
+                "fastft lora_decoder_layer: this layer's backward already ran; its attention graph was freed then. "
+                "A fused layer supports one backward per forward (no retain_graph=True second pass); run the forward "
+                "again for another backward, or load with FastModel.from_pretrained(..., patch=False)."
+            )
         query, key, value, out = ctx.graph
         ctx.graph = None
         grad_out = grad_o_in.view(out.shape)
         if grad_out.dtype != out.dtype:
             grad_out = grad_out.to(out.dtype)
         grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
-        grad_in, qkv_a, qkv_b = qkv_rope_backward(
-            spec.qkv,
-            saved.group_in,
-            saved.xa_qkv,
-            saved.cos,
-            saved.sin,
-            qkv_adapters,
-            (grad_q, grad_k, grad_v),
-            qkv_needs,
-            1,
-            qkv_casts,
-        )
-        grad_x = grad_input_weight = None
-        fold = needs[0] and grad_hidden.dtype == saved.x2d.dtype
-        if grad_in is not None:
-            grad_x, grad_input_weight = rms_norm_backward(
-                grad_in,
-                saved.x2d,
-                input_weight,
-                saved.input_rstd,
-                0.0,
-                True,
-                needs[0],
-                needs[6],
-                grad_hidden if fold else None,
+        with below_autograd():
+            grad_in, qkv_a, qkv_b = qkv_rope_backward(
+                spec.qkv,
+                saved.group_in,
+                saved.xa_qkv,
+                saved.cos,
+                saved.sin,
+                qkv_adapters,
+                (grad_q, grad_k, grad_v),
+                qkv_needs,
+                1,
+                qkv_casts,
             )
-        if needs[0]:
-            grad_x = (grad_x if fold else grad_x + grad_hidden).view(batch, seq, hidden)
-        sources, targets = deferred
-        if sources:
-            torch._foreach_copy_(targets, sources)
-            # ctx keeps the lists: a gradient still referenced from here would be cloned by AccumulateGrad.
-            sources.clear()
-            targets.clear()
+            grad_x = grad_input_weight = None
+            fold = needs[0] and grad_hidden.dtype == saved.x2d.dtype
+            if grad_in is not None:
+                grad_x, grad_input_weight = rms_norm_backward(
+                    grad_in,
+                    saved.x2d,
+                    input_weight,
+                    saved.input_rstd,
+                    0.0,
+                    True,
+                    needs[0],
+                    needs[6],
+                    grad_hidden if fold else None,
+                )
+            if needs[0]:
+                grad_x = (grad_x if fold else grad_x + grad_hidden).view(batch, seq, hidden)
+            sources, targets = deferred
+            if sources:
+                torch._foreach_copy_(targets, sources)
+                # ctx keeps the lists: a gradient still referenced from here would be cloned by AccumulateGrad.
+                sources.clear()
+                targets.clear()
         return (
             grad_x,
             None,

@@ -43,10 +43,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import lora_backward, lora_math, lora_op_args
-from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, math_backward, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
     FLOAT_DTYPES,
@@ -85,7 +84,7 @@ class LoRAGroupFunction(torch.autograd.Function):
         return tuple(out.view(*lead, out.shape[1]) for out in outputs)
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         x2d, xa, *adapters = ctx.saved_tensors
         grad_x, grad_a, grad_b = ctx.group.backward_math(x2d, xa, adapters, grads, ctx.needs_input_grad, 2, ctx.casts)

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import lora_mlp_math
-from fastft.kernels.custom_ops import compiling, direct_apply
+from fastft.kernels.custom_ops import compiling, direct_apply, math_backward
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, GATES, gate_functions
@@ -205,7 +204,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2d, xa_gate_up, gate, up, xa_down, *adapters = ctx.saved_tensors
         mlp = ctx.mlp

@@ -32,10 +32,9 @@ import math
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch, lora_moe_math
-from fastft.kernels.custom_ops import compiling, direct_apply
+from fastft.kernels.custom_ops import compiling, direct_apply, math_backward
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_moe_math import Config, Saved, Weights, cast
 from fastft.kernels.lora_projection import FLOAT_DTYPES, LoRAWeights, autocast_dtype, autocast_off, x_dtype_error
@@ -331,7 +330,7 @@ class LoRAMoEExpertsFunction(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2d, top_k_weights, order, offsets, xa1, gate_up, xa2, *adapters = ctx.saved_tensors
         experts = ctx.experts

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, direct_apply
+from fastft.kernels.custom_ops import compiling, direct_apply, math_backward
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_projection import autocast_dtype, autocast_off
 from fastft.kernels.rope import _checked, _compute_dtype, _launch, _reference_tables, _rotate, apply_rope
@@ -56,7 +55,7 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
         return q, k, v
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(
         ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
+from fastft.kernels.custom_ops import math_backward
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 
@@ -445,7 +445,7 @@ class NF4LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, torch.Tensor | None]:
         (packed,) = ctx.saved_tensors
         needs_x, needs_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[3]

@@ -32,10 +32,9 @@ import numbers
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, math_backward, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.traced_reference import traces_reference
@@ -545,7 +544,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _grad(ctx, dy)
 

@@ -32,10 +32,9 @@ import functools
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, define, direct_apply, pick, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, math_backward, pick, register_autograd
 from fastft.kernels.dispatch import tl, triton
 from fastft.kernels.rope_checks import _check, _checked
 from fastft.kernels.traced_reference import traces_reference
@@ -390,7 +389,7 @@ class RoPEFunction(torch.autograd.Function):
         return rotated
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return (*_grad(ctx, grad_q, grad_k), None)
 
@@ -414,7 +413,7 @@ class _RoPEInPlaceQ(torch.autograd.Function):
         return q
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, grad_q: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return _grad(ctx, grad_q, None)[0], None, None, None, None
 
@@ -431,7 +430,7 @@ class _RoPEInPlaceK(torch.autograd.Function):
         return k
 
     @staticmethod
-    @once_differentiable
+    @math_backward
     def backward(ctx: Any, grad_k: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return _grad(ctx, None, grad_k)[1], None, None, None
 

@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from fastft.kernels import dispatch, gate_kernels
-from fastft.kernels.custom_ops import compiling, define, direct_apply, register_autograd
+from fastft.kernels.custom_ops import compiling, define, direct_apply, math_backward, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.traced_reference import traces_reference
 
@@ -284,7 +283,7 @@ def register_gate(kind: GatedActivation, function_name: str, module: str, doc: s
 
     namespace = {
         "forward": staticmethod(forward),
-        "backward": staticmethod(once_differentiable(grad)),
+        "backward": staticmethod(math_backward(grad)),
         "__doc__": doc,
         "__module__": module,
     }

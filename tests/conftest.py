@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tests must never reach a hub; everything they load is built here or shipped in a wheel.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +28,7 @@ torch.set_num_threads(1)
 
 # The registry imports no patch; fastft.patches registers the built-in ones (what fastft.model does on import).
 import fastft.patches  # noqa: E402, F401
+from fastft.bench.operators import OperatorMode  # noqa: E402
 
 if os.environ["TRITON_INTERPRET"] == "1":
     from interpreter_speed import install as _install_interpreter_speed  # noqa: E402
@@ -189,7 +189,7 @@ def fused_calls(monkeypatch) -> list[str]:
     return calls
 
 
-class CastCounter(TorchDispatchMode):
+class CastCounter(OperatorMode):
     """Counts what a step casts: ``_foreach_copy_`` calls (``batched``), single casts (``_to_copy``) of tensors of
     the given shapes (``single``: an adapter, a stack of A's, a LoRA gradient) and every ``copy_`` (``copies``)."""
 
@@ -208,7 +208,7 @@ class CastCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(OperatorMode):
     """The aten operators dispatched, in order, by their packet names (``_local_scalar_dense`` is a tensor's value
     read by the host: on a GPU, a wait for every kernel queued before it)."""
 

@@ -14,11 +14,11 @@ import logging
 import pytest
 import torch
 from conftest import randomize_lora_b, relative_error, save_tiny_llama, tiny_llama_config
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from fastft import FastModel, patch_report
 from fastft.bench.measure import SavedTensorBytes
+from fastft.bench.operators import OperatorMode
 from fastft.checkpointing.modes import PATCH_NAME, LayerCheckpoint, engine_of
 from fastft.checkpointing.offload import OffloadEngine
 
@@ -425,7 +425,7 @@ def test_the_copies_are_ordered_against_the_compute_stream(tiny_folder):
     assert engine_of(model).allocations() == LAYERS - 1
 
 
-class _CopyOps(TorchDispatchMode):
+class _CopyOps(OperatorMode):
     """Counts the aten ops that copy tensor data."""
 
     KINDS = ("aten.copy_.default", "aten._to_copy.default", "aten.clone.default")

@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 from conftest import assert_same_loss_and_grads, randomize_lora_b, save_tiny_llama
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastft import FastModel
+from fastft.bench.operators import OperatorMode
 from fastft.checkpointing.layer import _CheckpointedLayer
 from fastft.checkpointing.modes import MODES, LayerCheckpoint, engine_of, resolve_mode
 
@@ -135,7 +135,7 @@ def test_autocast_is_replayed_whether_or_not_the_backward_runs_under_it(folder):
         assert_same_loss_and_grads(*results, bound=1e-6)
 
 
-class _Ops(TorchDispatchMode):
+class _Ops(OperatorMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0

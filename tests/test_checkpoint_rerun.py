@@ -15,10 +15,10 @@ import threading
 import pytest
 import torch
 from conftest import assert_same_loss_and_grads, randomize_lora_b, save_tiny_llama
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastft.patches.fused_layer as fused_layer
 from fastft import FastModel
+from fastft.bench.operators import OperatorMode
 from fastft.checkpointing import rerun
 
 LAYERS = 4
@@ -180,7 +180,7 @@ def test_an_offer_keeps_its_rerun_for_the_backward_apart():
     assert slot.taken_for(x) is None and slot.for_backward is None
 
 
-class _DownGemms(TorchDispatchMode):
+class _DownGemms(OperatorMode):
     """Counts the GEMMs that read one of the given weights (by storage: a transpose is a view of it)."""
 
     GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm}

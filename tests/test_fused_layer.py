@@ -166,3 +166,75 @@ def test_a_layer_casts_its_fp32_adapters_with_one_copy_each_way(smol_tokenizer, 
     assert backward.copies == 0
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
     _assert_same(fused, separate, batch)
+
+
+def _first_layer_input(model, batch) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """The first decoder layer, with the input and keyword arguments the model hands it."""
+    layer = _layers(model)[0]
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.setdefault("call", (args, dict(kwargs)))
+
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    handle.remove()
+    args, kwargs = seen["call"]
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    return layer, hidden, kwargs
+
+
+def test_an_input_changed_in_place_after_the_forward_is_caught_by_the_backward(smol_tokenizer, tmp_path):
+    """The node's math runs below autograd's dispatch keys, where a view gets a version counter of its own: the saved
+    view of the layer's input is made above them, so autograd still sees the input change under it."""
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    model = lora_model(folder, patch=True, checkpointing=False)
+    layer, hidden, kwargs = _first_layer_input(model, make_batch(model.config.vocab_size, batch=2, seq=9, pad=3))
+    x = hidden.detach().clone().requires_grad_() * 1.0
+    out = layer(x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    assert type(out.grad_fn).__name__ == FUSED_NODE
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+        out.sum().backward()
+
+
+def test_the_node_s_math_runs_below_autograd_and_its_attention_above(smol_tokenizer, tmp_path, monkeypatch):
+    """Its kernels' ops skip the autograd and ADInplaceOrView keys (host time per op); the attention, which autograd
+    differentiates, does not."""
+    import fastft.kernels.lora_decoder_layer as node
+
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    model = lora_model(folder, patch=True, checkpointing=False)
+    batch = make_batch(model.config.vocab_size, batch=2, seq=9, pad=3)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+    seen: dict[str, list[bool]] = {}
+
+    def watch(name, function):
+        def run(*args, **kwargs):
+            seen.setdefault(name, []).append(excluded(torch._C.DispatchKey.ADInplaceOrView))
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(node, name, run)
+
+    for name in ("rms_norm_forward", "qkv_rope_forward", "mlp_forward", "mlp_backward", "qkv_rope_backward"):
+        watch(name, getattr(node, name))
+    watch("attention_backward", node.attention_backward)
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss.backward()
+    layers = len(_layers(model))
+    assert seen.pop("attention_backward") == [False] * layers
+    assert seen.keys() == {"rms_norm_forward", "qkv_rope_forward", "mlp_forward", "mlp_backward", "qkv_rope_backward"}
+    assert all(all(flags) and len(flags) >= layers for flags in seen.values()), seen
+    assert len(seen["rms_norm_forward"]) == 2 * layers
+
+
+def test_a_second_backward_through_a_layer_says_what_happened(smol_tokenizer, tmp_path):
+    folder = save_family(tmp_path, "llama", smol_tokenizer)
+    model = lora_model(folder, patch=True, checkpointing=False)
+    layer, hidden, kwargs = _first_layer_input(model, make_batch(model.config.vocab_size, batch=2, seq=9, pad=3))
+    out = layer(hidden.detach().requires_grad_(), **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="fastft lora_decoder_layer: this layer's backward already ran"):
+        out.sum().backward()

@@ -216,9 +216,9 @@ def _saved_numels(fn) -> list[int]:
 
 
 def _largest_op_output(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from fastft.bench.operators import OperatorMode
 
-    class Largest(TorchDispatchMode):
+    class Largest(OperatorMode):
         numel = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

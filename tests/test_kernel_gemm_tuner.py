@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE, TOLERANCE, relative_error
 from test_kernel_lora import HIDDEN, NO_BIAS, QWEN2_BIAS, qkv_projections
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastft.bench.operators import OperatorMode
 from fastft.kernels import LoRAWeights, compile_cases, compile_check, dispatch, gemm_tuner, lora_math, lora_qkv, targets
 from fastft.kernels.gemm_configs import GemmConfig, candidates
 from fastft.kernels.gemm_tuner import CUBLAS, CUBLAS_ACCUMULATE, Candidate, force, tune
@@ -60,7 +60,7 @@ def test_both_cublas_orders_are_candidates_only_where_there_is_a_low_rank_term()
     assert gemm_tuner.cublas_candidates((0, 0)) == [CUBLAS]
 
 
-class _Calls(TorchDispatchMode):
+class _Calls(OperatorMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, tuple]] = []

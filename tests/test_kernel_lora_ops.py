@@ -28,8 +28,8 @@ from test_kernel_lora import (
     run_and_compare,
     saved_during,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastft.bench.operators import OperatorMode
 from fastft.kernels import (
     LoRAGroup,
     LoRAMLP,
@@ -214,7 +214,7 @@ def test_group_saves_x_and_xa_only_and_sees_adapter_updates(gen):
 
 
 def test_group_forward_and_backward_copy_and_detach_nothing(gen):
-    class Ops(TorchDispatchMode):
+    class Ops(OperatorMode):
         def __init__(self) -> None:
             super().__init__()
             self.ops: Counter[str] = Counter()
@@ -711,7 +711,7 @@ def _backward_gemms(group, projections, x):
     """The backward's GEMM calls by aten op, and the gradients of x and of every A and B (None where not wanted)."""
     from fastft.kernels import dispatch
 
-    class Gemms(TorchDispatchMode):
+    class Gemms(OperatorMode):
         def __init__(self):
             super().__init__()
             self.ops = Counter()

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import random_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastft.bench.operators import OperatorMode
 from fastft.kernels import apply_rope, custom_ops, dispatch, geglu, rms_norm, swiglu
 from fastft.kernels.errors import ShapeContractError
 
@@ -22,7 +22,7 @@ rope_module = importlib.import_module("fastft.kernels.rope")
 rope_checks_module = importlib.import_module("fastft.kernels.rope_checks")
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(OperatorMode):
     """Counts every op that reaches the dispatcher below autograd (what the host benchmark counts)."""
 
     def __init__(self) -> None:
@@ -217,3 +217,47 @@ def test_signature_caches_are_bounded(gen, monkeypatch, module, cache, limit, ca
     for length in range(1, 9):  # a run whose sequence length changes every step
         call(gen, length)
         assert len(getattr(module, cache)) <= 3
+
+
+def test_a_counting_mode_sees_a_composite_op_below_autograd_as_its_parts():
+    """Inside below_autograd(), linear / reshape / to reach a dispatch mode whole; an OperatorMode sees the parts
+    they run, the same as outside (what keeps the host benchmark's operator counts comparable)."""
+    x, weight = torch.randn(4, 8), torch.randn(3, 8, requires_grad=True)
+
+    def calls():
+        torch.nn.functional.linear(x, weight)
+        x.reshape(2, 16)
+        x.to(torch.float64)
+
+    with torch.no_grad(), OpCounter() as outside:
+        calls()
+    with torch.no_grad(), custom_ops.below_autograd(), OpCounter() as inside:
+        calls()
+    assert inside.ops == outside.ops
+    assert {"aten.t.default", "aten.mm.default", "aten.view.default", "aten._to_copy.default"} <= inside.ops.keys()
+    assert not {"aten.linear.default", "aten.reshape.default", "aten.to.dtype"} & inside.ops.keys()
+
+
+class _BelowAutograd(OperatorMode):
+    """Whether each op ran with the ADInplaceOrView key (and the autograd keys before it) skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.flags.append(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_backward_runs_its_ops_below_autograd(gen, name):
+    """A kernel's backward is straight-line math: it skips the dispatch keys that only matter to autograd."""
+    build, _, _ = CASES[name]
+    call, inputs = build(gen)
+    with dispatch.force_reference():
+        outputs = call()
+        grads = [torch.ones_like(out) for out in outputs]
+        with _BelowAutograd() as seen:
+            torch.autograd.grad(outputs, inputs, grads)
+    assert seen.flags and all(seen.flags)
