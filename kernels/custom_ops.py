@@ -181,22 +181,28 @@ def math_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     return once_differentiable(run)
 
 
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
-_composite: dict[Any, bool] = {}
+_BACKENDS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
+_composite: dict[tuple[Any, str], bool] = {}
 
 
 def expand_composite(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """For a ``TorchDispatchMode`` that counts or records operators: ``func`` run as its decomposition, under
-    ``mode``, when it is a CompositeImplicitAutograd operator (``linear``, ``reshape``, ``to``); ``NotImplemented``
-    otherwise, for the mode to run it itself.
+    ``mode``, where its backend would run it as one (a CompositeImplicitAutograd operator with no kernel of the
+    backend's own: ``linear``, ``reshape``, ``to``); ``NotImplemented`` otherwise, for the mode to run it itself.
 
     Such an operator normally decomposes at the autograd key, so a mode only ever sees its parts. Inside
     :func:`below_autograd` it reaches the mode whole, and then decomposes in the backend, into the same parts. Expanded
-    here, a mode sees the operators that run either way (``torch.utils.flop_counter`` does the same).
+    here, a mode sees the operators that run either way (``torch.utils.flop_counter`` does the same). An operator with
+    a backend kernel as well (``silu_backward``) runs that kernel, and stays one operator.
     """
-    composite = _composite.get(func)
+    device = next((arg.device.type for arg in args if isinstance(arg, torch.Tensor)), "cpu")
+    key = (func, _BACKENDS.get(device, "CPU"))
+    composite = _composite.get(key)
     if composite is None:
-        composite = _composite[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
+        name = func.name()
+        composite = _composite[key] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            name, "CompositeImplicitAutograd"
+        ) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, key[1])
     if not composite:
         return NotImplemented
     with mode:

@@ -228,6 +228,7 @@ def test_a_counting_mode_sees_a_composite_op_below_autograd_as_its_parts():
         torch.nn.functional.linear(x, weight)
         x.reshape(2, 16)
         x.to(torch.float64)
+        torch.ops.aten.silu_backward(x, x)  # a composite with a CPU kernel of its own: that kernel runs, one op
 
     with torch.no_grad(), OpCounter() as outside:
         calls()
@@ -235,6 +236,7 @@ def test_a_counting_mode_sees_a_composite_op_below_autograd_as_its_parts():
         calls()
     assert inside.ops == outside.ops
     assert {"aten.t.default", "aten.mm.default", "aten.view.default", "aten._to_copy.default"} <= inside.ops.keys()
+    assert inside.ops["aten.silu_backward.default"] == 1
     assert not {"aten.linear.default", "aten.reshape.default", "aten.to.dtype"} & inside.ops.keys()
 
 
