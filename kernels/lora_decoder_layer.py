@@ -312,6 +312,13 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.graph is None:
+            raise RuntimeError(
+                "fastft lora_decoder_layer: this layer's backward already ran, and spent its attention graph and the "
+                "buffers it writes gradients over. A fused layer takes one backward per forward (no retain_graph=True "
+                "second pass): run the forward again for another backward, or load with "
+                "FastModel.from_pretrained(..., patch=False)."
+            )
         spec: DecoderLayerSpec = ctx.spec
         # Read once: each read of ctx.saved_tensors unpacks (and version-checks) every saved tensor again.
         everything = ctx.saved_tensors
@@ -357,12 +364,6 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
 
             grad_o_in, o_a, o_b = spec.o.backward_math(
                 saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
-            )
-        if ctx.graph is None:
-            raise RuntimeError(
-                "fastft lora_decoder_layer: this layer's backward already ran; its attention graph was freed then. "
-                "A fused layer supports one backward per forward (no retain_graph=True second pass); run the forward "
-                "again for another backward, or load with FastModel.from_pretrained(..., patch=False)."
             )
         query, key, value, out = ctx.graph
         ctx.graph = None
