@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from fastft.kernels import lora_backward, lora_math, lora_op_args
-from fastft.kernels.custom_ops import compiling, define, direct_apply, math_backward, register_autograd
+from fastft.kernels.custom_ops import below_autograd, compiling, define, direct_apply, math_backward, register_autograd
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_projection import (
     FLOAT_DTYPES,
@@ -74,14 +74,16 @@ class LoRAGroupFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: LoRAGroup, *adapters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         ctx.casts = {}
-        outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
+        # x2d (saved) is made above below_autograd(): a saved view of an input shares the input's version counter.
+        with below_autograd():
+            outputs, xa = group.forward_math(x2d, adapters, ctx.casts)
+            if x.dim() != 2:
+                lead = x.shape[:-1]
+                outputs = [out.view(*lead, out.shape[1]) for out in outputs]
         ctx.group = group
         ctx.x_shape = x.shape
         ctx.save_for_backward(x2d, xa, *adapters)
-        if x.dim() == 2:
-            return tuple(outputs)
-        lead = x.shape[:-1]
-        return tuple(out.view(*lead, out.shape[1]) for out in outputs)
+        return tuple(outputs)
 
     @staticmethod
     @math_backward

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastft.kernels import lora_mlp_math
-from fastft.kernels.custom_ops import compiling, direct_apply, math_backward
+from fastft.kernels.custom_ops import below_autograd, compiling, direct_apply, math_backward
 from fastft.kernels.errors import ShapeContractError
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, GATES, gate_functions
@@ -196,12 +196,16 @@ class LoRAMLPFunction(torch.autograd.Function):
             arguments = mlp._adapters
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         casts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
-        out, saved = mlp_forward(mlp, x2d, arguments, casts)
+        # x2d (saved) is made above below_autograd(): a saved view of an input shares the input's version counter.
+        with below_autograd():
+            out, saved = mlp_forward(mlp, x2d, arguments, casts)
+            if x.dim() != 2:
+                out = out.view(*x.shape[:-1], out.shape[1])
         ctx.mlp = mlp
         ctx.casts = casts
         ctx.x_shape = x.shape
         ctx.save_for_backward(x2d, *saved, *arguments)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+        return out
 
     @staticmethod
     @math_backward

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastft.kernels import dispatch
-from fastft.kernels.custom_ops import compiling, direct_apply, math_backward
+from fastft.kernels.custom_ops import below_autograd, compiling, direct_apply, math_backward
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_projection import autocast_dtype, autocast_off
 from fastft.kernels.rope import _checked, _compute_dtype, _launch, _reference_tables, _rotate, apply_rope
@@ -47,7 +47,9 @@ class LoRAQKVRoPEFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x2d = x.reshape(-1, x.shape[-1])
         ctx.casts = {}
-        q, k, v, xa = qkv_rope_forward(group, x2d, x.shape[0], x.shape[1], cos, sin, head_dim, adapters, ctx.casts)
+        # x2d (saved) is made above below_autograd(): a saved view of an input shares the input's version counter.
+        with below_autograd():
+            q, k, v, xa = qkv_rope_forward(group, x2d, x.shape[0], x.shape[1], cos, sin, head_dim, adapters, ctx.casts)
         ctx.group = group
         ctx.shape = (x.shape[0], x.shape[1], x.shape[-1])
         ctx.save_for_backward(x2d, xa, cos, sin, *adapters)

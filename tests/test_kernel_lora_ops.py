@@ -781,3 +781,22 @@ def test_a_frozen_adapter_in_a_group_of_one_scale_takes_the_per_adapter_path(gen
     torch.testing.assert_close(frozen[0], trained[0], rtol=1e-5, atol=1e-6)
     for j in (1, 2, 5, 6):
         torch.testing.assert_close(frozen[j], trained[j], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("part", ["qkv", "mlp"])
+def test_an_input_changed_in_place_after_the_forward_is_caught_by_the_backward(gen, part):
+    """The groups' math runs below autograd's dispatch keys; the saved view of the input is made above them, so
+    autograd still sees an in-place change of the input between forward and backward."""
+    dtype = torch.float32
+    if part == "qkv":
+        run = qkv_group(qkv_projections(dtype, gen, [(8, 2.0), (8, 0.5), (8, 1.0)]))
+    else:
+        run = mlp_group(mlp_projections(dtype, gen, [(2, 1.0), (3, 0.5), (1, 2.0)]))
+    x = random_tensor((1, 16, HIDDEN), dtype, gen).requires_grad_() * 1.0
+    with dispatch.force_reference():
+        outputs = run(x)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        total = sum(out.sum() for out in outputs)
+        x.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+            total.backward()
