@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fastft.kernels import lora_backward, lora_math, lora_op_args
+from fastft.kernels import dispatch, lora_backward, lora_math, lora_op_args
 from fastft.kernels.custom_ops import define, register_autograd
 from fastft.kernels.geglu import geglu, geglu_backward_, geglu_backward_with_hidden, geglu_forward
 from fastft.kernels.lora_math import LAYOUT_FIELDS, Spec
@@ -143,6 +143,10 @@ def backward(
         if not in_place:
             gate, up = gate.clone(), up.clone()
         grad_gate, grad_up = ACTIVATIONS[activation][1](grad_hidden, gate, up)
+    if in_place:
+        # The gradients now sit in the forward's gate / up buffers (by a Triton kernel, or by torch below autograd):
+        # their bumped versions make a second backward through this node fail loudly instead of reading them.
+        dispatch.mark_overwritten(gate, up)
     del grad_hidden
     grad_a_down, grad_b_down = pending.finish(hidden)
     del hidden

@@ -800,3 +800,26 @@ def test_an_input_changed_in_place_after_the_forward_is_caught_by_the_backward(g
         x.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
             total.backward()
+
+
+@pytest.mark.parametrize("part", ["qkv", "mlp"])
+def test_a_second_backward_gives_the_same_gradients_or_fails_loudly(gen, part):
+    """retain_graph=True and a second backward: the MLP's backward wrote its gradients over its saved gate / up (below
+    autograd, or by a Triton kernel), so it must refuse; the q / k / v group must give the same gradients again."""
+    dtype = torch.float32
+    if part == "qkv":
+        run = qkv_group(qkv_projections(dtype, gen, [(8, 2.0), (8, 0.5), (8, 1.0)]))
+    else:
+        run = mlp_group(mlp_projections(dtype, gen, [(2, 1.0), (3, 0.5), (1, 2.0)]))
+    x = random_tensor((1, 16, HIDDEN), dtype, gen).requires_grad_()
+    with dispatch.force_reference():
+        outputs = run(x)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        total = sum(out.sum() for out in outputs)
+        (first,) = torch.autograd.grad(total, [x], retain_graph=True)
+        if part == "mlp":
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(total, [x])
+        else:
+            (second,) = torch.autograd.grad(total, [x])
+            assert torch.equal(first, second)

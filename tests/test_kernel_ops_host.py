@@ -263,3 +263,21 @@ def test_a_backward_runs_its_ops_below_autograd(gen, name):
         with _BelowAutograd() as seen:
             torch.autograd.grad(outputs, inputs, grads)
     assert seen.flags and all(seen.flags)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_second_backward_gives_the_same_gradients_or_fails_loudly(gen, name):
+    """Below autograd an in-place write bumps no version by itself: a backward that writes over what it saved bumps
+    them explicitly, so retain_graph=True and a second backward either repeat the gradients or raise."""
+    build, _, _ = CASES[name]
+    call, inputs = build(gen)
+    with dispatch.force_reference():
+        outputs = call()
+        grads = [torch.ones_like(out) for out in outputs]
+        first = torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+        try:
+            second = torch.autograd.grad(outputs, inputs, grads)
+        except RuntimeError as error:
+            assert "modified by an inplace operation" in str(error)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
