@@ -134,8 +134,8 @@ def _forward(
         graph = (query, key, value, out)
         attention = out.detach()
     with below_autograd():
-        out = _forward_rest(spec, x, x2d, attention, post_weight, o_adapters, mlp_adapters, casts, dtype, output)
-    hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out = out
+        rest = _forward_rest(spec, x, x2d, attention, post_weight, o_adapters, mlp_adapters, casts, dtype, output)
+    hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out = rest
 
     if ctx is not None:
         ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
