@@ -181,12 +181,32 @@ def math_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(backward)
     def run(ctx: Any, *grads: Any) -> Any:
+        # Unpacked before the block: under torch.utils.checkpoint (non-reentrant) the unpack recomputes the
+        # checkpointed forward, which must record autograd as it did the first time.
+        unpacked = _Unpacked(ctx)
         with below_autograd():
-            return backward(ctx, *grads)
+            return backward(unpacked, *grads)
 
     wrapper = once_differentiable(run)
     wrapper.below_autograd = True  # what tests find on every kernel Function's backward
     return wrapper
+
+
+class _Unpacked:
+    """A backward's ``ctx`` with its saved tensors already unpacked (once, as torch's checkpoint requires); every
+    other attribute is the real context's."""
+
+    __slots__ = ("_ctx", "saved_tensors")
+
+    def __init__(self, ctx: Any) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", ctx.saved_tensors)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ctx, name, value)
 
 
 _BACKENDS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}

@@ -311,3 +311,21 @@ def test_a_second_backward_gives_the_same_gradients_or_fails_loudly(gen, name):
             assert "modified by an inplace operation" in str(error)
         else:
             assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_a_kernel_backward_under_torch_checkpoint_recomputes_with_autograd_on(gen):
+    """torch.utils.checkpoint (non-reentrant) recomputes the forward when a backward unpacks its saved tensors: that
+    unpack happens before the math goes below autograd, so the recompute records (and saves) what the forward did."""
+    x = random_tensor((16, 64), torch.float32, gen).requires_grad_()
+    w = random_tensor((64, 64), torch.float32, gen).requires_grad_()
+    weight = random_tensor((64,), torch.float32, gen).requires_grad_()
+
+    def block(inp):
+        return rms_norm(torch.nn.functional.silu(inp @ w), weight, 1e-6)
+
+    with dispatch.force_reference():
+        expected = torch.autograd.grad(block(x).sum(), [x, w, weight])
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        actual = torch.autograd.grad(out.sum(), [x, w, weight])
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.allclose(a, e, rtol=1e-6, atol=1e-6)
