@@ -187,9 +187,11 @@ def _cross_entropy_rows_torch(
 ) -> None:
     """The row kernel in torch ops: same outputs; ``logits`` is scratch (overwritten, in place, like the kernel).
 
-    torch.logsumexp would allocate a second [rows, vocab] temporary; exponentiating in place keeps the transient
-    memory of the CPU path at the one chunk buffer. A soft cap that needs gradients costs one more chunk-sized
-    temporary, the cap's derivative, which the kernel recomputes instead.
+    The log-softmax is taken in place (``out=logits``: every row is read before its first write), so the transient
+    memory of the CPU path stays at the one chunk buffer, and in few operators: on a model small enough that the loss
+    costs what its operator calls cost, each one counts. The gradient is ``exp`` of it, ``exp(x - lse)``, as the
+    Triton kernel forms it. A soft cap that needs gradients costs one more chunk-sized temporary, the cap's
+    derivative, which the kernel recomputes instead.
     """
     slope = None
     if softcap is not None:
@@ -199,19 +201,17 @@ def _cross_entropy_rows_torch(
         if write_grad:
             slope = torch.cosh(scaled).square_().reciprocal_()
         logits = scaled.tanh_().mul_(softcap)
-    valid = labels != ignore_index
-    safe_labels = labels.masked_fill(~valid, 0)
-    target = logits.gather(1, safe_labels.unsqueeze(1)).squeeze(1)
-    row_max = logits.amax(dim=1, keepdim=True)
-    exps = logits.sub_(row_max).exp_()
-    row_sum = exps.sum(dim=1, keepdim=True)
-    lse = (row_max + row_sum.log()).squeeze(1)
-    loss_out.copy_((lse - target).masked_fill_(~valid, 0.0))
+    ignored = labels == ignore_index
+    safe_labels = labels.masked_fill(ignored, 0).unsqueeze(1)
+    log_probs = torch.log_softmax(logits, 1, out=logits)
+    torch.neg(log_probs.gather(1, safe_labels).squeeze(1), out=loss_out).masked_fill_(ignored, 0.0)
     if not write_grad:
         return
-    probs = exps.div_(row_sum)
-    probs.scatter_add_(1, safe_labels.unsqueeze(1), valid.to(probs.dtype).neg_().unsqueeze(1))
-    probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+    probs = log_probs.exp_()
+    ignored_rows = ignored.unsqueeze(1)
+    # softmax − onehot: −1 at each scored target (0 − 1 = −1 where scored, 1 − 1 = 0 where ignored).
+    probs.scatter_add_(1, safe_labels, ignored_rows.to(probs.dtype).sub_(1))
+    probs.masked_fill_(ignored_rows, 0.0)
     if slope is not None:
         probs.mul_(slope)
     if grad is not probs:

@@ -203,6 +203,24 @@ def test_training_returns_no_logits_unless_asked_and_eval_returns_them(word_toke
     assert head.fastft_fused_loss_calls == calls + 2
 
 
+def test_positional_and_keyword_calls_reach_the_same_fused_loss(word_tokenizer, tmp_path):
+    """Keywords alone skip Signature.bind: they must split between named parameters and **kwargs as bind does."""
+    model = _lora(_folder(tmp_path, word_tokenizer))
+    batch = _batch(model)
+    head = model.get_base_model()
+    calls = head.fastft_fused_loss_calls
+    by_keyword = head(**batch).loss
+    by_position = head(batch["input_ids"], batch["attention_mask"], labels=batch["labels"]).loss
+    # num_items_in_batch is not a named parameter of the forward: it reaches the loss through **kwargs.
+    summed = head(**batch, num_items_in_batch=torch.tensor(1.0)).loss
+    assert head.fastft_fused_loss_calls == calls + 3
+    assert torch.equal(by_keyword, by_position)
+    scored = int((batch["labels"][:, 1:] != -100).sum())
+    assert relative_error(summed, by_keyword * scored) <= 1e-6
+    with pytest.raises(TypeError, match="multiple values"):
+        head(batch["input_ids"], input_ids=batch["input_ids"], labels=batch["labels"])
+
+
 def _saved_numels(fn) -> list[int]:
     numels = []
 

@@ -113,12 +113,26 @@ def causal_lm_forward(
     signature = inspect.signature(upstream_class.forward)
     upstream_forward = upstream_class.forward
     output_fields = tuple(output_class.__dataclass_fields__) if output_class is not None else ()
+    # Gemma 3 names its catch-all **loss_kwargs; every other family **kwargs.
+    var_keyword = _var_keyword(signature)
+    # Trainers call model(**batch): keywords alone, which split between the named parameters and the catch-all
+    # exactly as Signature.bind would split them, without binding on every step.
+    named = frozenset(
+        name
+        for name, parameter in list(signature.parameters.items())[1:]
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+    splits_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
-        arguments.pop("self")
-        # Gemma 3 names its catch-all **loss_kwargs; every other family **kwargs.
-        extra = dict(arguments.pop(_var_keyword(signature), {}))
+        if args or not splits_keywords:
+            arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+            arguments.pop("self")
+            extra = dict(arguments.pop(var_keyword, {}))
+        else:
+            arguments, extra = {}, {}
+            for name, value in kwargs.items():
+                (arguments if name in named else extra)[name] = value
         labels = arguments.get("labels")
         # Evaluation (eval mode, or no autograd) keeps the stock forward: it wants the logits anyway.
         if labels is None or not (self.training and torch.is_grad_enabled()) or head_reason(self) is not None:
@@ -151,7 +165,8 @@ def causal_lm_forward(
             softcap=softcap,
             labels_check=labels_check,
         )
-        self.fastft_fused_loss_calls += 1
+        # Straight into the instance dict: nn.Module.__setattr__ (and the class's own) cost more than the count.
+        self.__dict__["fastft_fused_loss_calls"] = self.fastft_fused_loss_calls + 1
 
         logits = None
         wants_logits = self.fastft_return_logits
