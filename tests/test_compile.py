@@ -189,3 +189,60 @@ def test_a_function_wrapper_built_while_tracing_is_the_function_s_own_apply(monk
     assert eager != RMSNormFunction.apply
     monkeypatch.setattr(custom_ops, "compiling", lambda: True)
     assert custom_ops.direct_apply(RMSNormFunction) == RMSNormFunction.apply
+
+
+def _step_loss(model, batch) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+
+@pytest.mark.parametrize("mode", [None, "default"], ids=["filtered", "mode-keeps-every-guard"])
+def test_compiled_layers_skip_only_the_guards_on_fastft_s_own_code(tiny_llama_dir, monkeypatch, mode):
+    """Replacing one of fastft's functions does not recompile a compiled layer (its identity guards are left out,
+    which is what made them cost nothing per call), unless ``mode=`` keeps every guard; a fastft switch read as a value
+    still recompiles, and the adapters' state still reaches the compiled layer."""
+    from fastft.kernels import traced_reference
+
+    model = lora_model(str(tiny_llama_dir), patch=True, checkpointing=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_layers(model, backend=counter, **({} if mode is None else {"mode": mode}))
+    batch = make_batch(model.config.vocab_size, batch=1, seq=8)
+    for _ in range(2):
+        _step_loss(model, batch).backward()
+    frames = counter.frame_count
+    original = traced_reference._as
+    monkeypatch.setattr(traced_reference, "_as", lambda tensor, dtype: original(tensor, dtype))
+    adapted = _step_loss(model, batch)
+    assert counter.frame_count == (frames if mode is None else frames + 2)
+    frames = counter.frame_count
+    with opaque_reference():
+        assert torch.equal(_step_loss(model, batch), adapted)
+    assert counter.frame_count > frames
+    with model.disable_adapter():
+        disabled = _step_loss(model, batch)
+    uncompile_layers(model)
+    with model.disable_adapter():
+        assert torch.equal(_step_loss(model, batch), disabled)
+    assert relative_error(_step_loss(model, batch), adapted) <= LOSS_TOLERANCE
+    assert not torch.allclose(disabled, adapted)
+
+
+def test_the_guard_filter_drops_identity_guards_of_fastft_globals_alone():
+    from types import SimpleNamespace
+
+    from fastft.loading.compile import skip_fastft_code_guards
+
+    def entry(name, kind):
+        return SimpleNamespace(name=name, guard_type=kind)
+
+    entries = [
+        entry("G['__import_fastft_dot_kernels_dot_traced_reference']._as", "CLOSURE_MATCH"),
+        entry("G['__import_fastft_dot_patches_dot_decoder'].LoRAGroup", "CLASS_MATCH"),
+        entry("G['__import_fastft_dot_kernels_dot_custom_ops'].torch", "MODULE_MATCH"),
+        entry("G['__import_fastft_dot_kernels_dot_traced_reference']._opaque['depth']", "CONSTANT_MATCH"),
+        entry("G['__import_fastft_dot_kernels_dot_lora_group'].GROUPS", "SEQUENCE_LENGTH"),
+        entry("G['__import_fastfte_dot_x'].f", "CLOSURE_MATCH"),
+        entry("G['__import_transformers_dot_activations'].nn", "MODULE_MATCH"),
+        entry("L['self']._modules['mlp'].forward", "CLOSURE_MATCH"),
+        SimpleNamespace(),
+    ]
+    assert skip_fastft_code_guards(entries) == [False, False, False, True, True, True, True, True, True]

@@ -12,6 +12,15 @@ like every fastft patch) for a subclass whose ``forward`` is the compiled upstre
 and later, ``GradientCheckpointingLayer.__init_subclass__`` wraps that subclass's forward in the checkpointing call,
 so the checkpoint calls the compiled function; before 5.23 the checkpoint wraps ``__call__``, which calls ``forward``.
 Either way the checkpointer (fastft's or transformers') is never traced.
+
+A compiled layer's call runs its guards first. Of those, some check that each function, class and module the trace
+reached through one of fastft's own modules is still the same object: they guard against fastft's code being replaced
+at run time, and cost the host benchmark's layer about 70 µs a call (CPU, torch 2.13), more than the rest of the
+guards. :func:`skip_fastft_code_guards` leaves them out (``torch.compile``'s ``guard_filter_fn``); every guard on a
+value (fastft's switches such as :func:`~fastft.kernels.traced_reference.opaque_reference`), on the modules, their
+adapters and hooks, and on the tensors stays. Patching fastft's functions after a layer compiled therefore needs
+``torch._dynamo.reset()``. A ``guard_filter_fn`` of the caller's own replaces this one; with ``mode=`` (which
+``torch.compile`` does not take together with ``options=``) every guard stays.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,14 +51,58 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
+# Dynamo names a module's globals G['__import_<dotted name with "_dot_">']; fastft's own start with these.
+_FASTFT_GLOBALS = ("G['__import_fastft_dot_", "G['__import_fastft']")
+# The guards on an object's identity: the same function (code and closure), class, module or builtin, and two
+# sources being one object. Value, length, containment, type and tensor guards are not among them.
+_CODE_GUARDS = frozenset({"CLOSURE_MATCH", "MODULE_MATCH", "CLASS_MATCH", "BUILTIN_MATCH", "DUPLICATE_INPUT"})
+
+
+def skip_fastft_code_guards(entries: Sequence[Any]) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn`` for fastft's compiled layers: keep every guard except those on the
+    identity of an object reached through one of fastft's own modules (see the module docstring).
+
+    Args:
+        entries: Dynamo's ``GuardFilterEntry`` objects (``name``: the guarded source, ``guard_type``).
+
+    Returns:
+        Whether to keep each entry. An entry without those fields, as a later torch might hand over, is kept.
+    """
+    keep = []
+    for entry in entries:
+        name, kind = getattr(entry, "name", None), getattr(entry, "guard_type", None)
+        own_code = isinstance(name, str) and name.startswith(_FASTFT_GLOBALS) and kind in _CODE_GUARDS
+        keep.append(not own_code)
+    return keep
+
+
+def _compile_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``torch.compile`` with :func:`skip_fastft_code_guards` added, unless the caller chose a guard
+    filter of their own or a ``mode`` (which excludes ``options=``)."""
+    if options.get("mode") is not None:
+        return dict(options)
+    inner = dict(options.get("options") or {})
+    inner.setdefault("guard_filter_fn", skip_fastft_code_guards)
+    return {**options, "options": inner}
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key: dicts (``options=``) and lists as sorted / plain tuples."""
+    if isinstance(value, dict):
+        return tuple(sorted((key, _frozen(item)) for key, item in value.items()))
+    if isinstance(value, list):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
 def _compiled_class(cls: type, options: dict[str, Any]) -> type:
-    key = (cls, tuple(sorted(options.items())))
+    key = (cls, _frozen(options))
     with _lock:
         compiled = _classes.get(key)
         if compiled is None:
             # Beneath transformers' checkpointing wrapper (5.23 and later): compiled, it would have dynamo trace
             # fastft's checkpointer.
-            forward = torch.compile(upstream_layer_forward(cls), **options)
+            forward = torch.compile(upstream_layer_forward(cls), **_compile_options(options))
             compiled = type(
                 cls.__name__,
                 (cls,),
@@ -69,7 +123,8 @@ def compile_layers(model: torch.nn.Module, **options: Any) -> int:
 
     Args:
         model: A transformers model or a peft wrapper of one.
-        **options: Passed to ``torch.compile`` (``mode``, ``backend``, ``dynamic``, ``fullgraph``).
+        **options: Passed to ``torch.compile`` (``mode``, ``backend``, ``dynamic``, ``fullgraph``, ``options``), with
+            :func:`skip_fastft_code_guards` as the guard filter unless ``mode`` or a ``guard_filter_fn`` is given.
 
     Returns:
         How many layers now run the compiled forward.
@@ -138,4 +193,12 @@ class CompileTimer:
         self.compile = compile_seconds() - self._compile
 
 
-__all__ = ["CompileTimer", "compile_layers", "compile_seconds", "compiled_layers", "decoder_layers", "uncompile_layers"]
+__all__ = [
+    "CompileTimer",
+    "compile_layers",
+    "compile_seconds",
+    "compiled_layers",
+    "decoder_layers",
+    "skip_fastft_code_guards",
+    "uncompile_layers",
+]
