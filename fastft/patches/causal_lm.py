@@ -32,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastft.kernels import fused_linear_cross_entropy
 from fastft.kernels.head_inputs import TargetRangeCheck
+from fastft.patches.arguments import ArgumentReader
 
 _IGNORE_INDEX = -100
 # transformers 5.24 renamed the output's past_key_values to cache.
@@ -113,19 +114,16 @@ def causal_lm_forward(
     signature = inspect.signature(upstream_class.forward)
     upstream_forward = upstream_class.forward
     output_fields = tuple(output_class.__dataclass_fields__) if output_class is not None else ()
+    reader = ArgumentReader(signature)
     # Gemma 3 names its catch-all **loss_kwargs; every other family **kwargs.
-    var_keyword = _var_keyword(signature)
+    var_keyword = reader.var_keyword
     # Trainers call model(**batch): keywords alone, which split between the named parameters and the catch-all
-    # exactly as Signature.bind would split them, without binding on every step.
-    named = frozenset(
-        name
-        for name, parameter in list(signature.parameters.items())[1:]
-        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    )
-    splits_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    # as Signature.bind would split them, without binding on every step. Only what was passed goes on to the
+    # backbone (ArgumentReader.read would fill in every default).
+    named = frozenset(reader.named)
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or not splits_keywords:
+        if args or var_keyword is None:
             arguments = dict(signature.bind(self, *args, **kwargs).arguments)
             arguments.pop("self")
             extra = dict(arguments.pop(var_keyword, {}))
@@ -196,13 +194,6 @@ def causal_lm_forward(
     forward.__signature__ = signature
     forward.__doc__ = f"``{upstream_class.__name__}.forward`` with the training loss through the fused cross-entropy."
     return forward
-
-
-def _var_keyword(signature: inspect.Signature) -> str:
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            return name
-    return "kwargs"
 
 
 __all__ = ["FusedLossState", "causal_lm_forward", "head_reason"]
