@@ -392,7 +392,9 @@ def _dense(
     # base GEMM accumulates onto (beta = 1), reading it once in its epilogue. Without LoRA, one GEMM either way.
     dtype = x2d.dtype
     outputs = []
-    for i, j, columns, scale in spec.segments:
+    # Each adapter's columns of X Aᵀ as one split of views, not a slice per adapter: one dispatch for the group.
+    parts = (xa,) if xa is None or len(spec.lora) < 2 else torch.split_with_sizes(xa, spec.lora_rows, dim=1)
+    for i, j, _, scale in spec.segments:
         weight = weights[i]
         if weight.dtype != dtype:
             weight = weight.to(dtype)
@@ -400,7 +402,7 @@ def _dense(
         if j < 0:
             outputs.append(_linear(x2d, weight, bias))
             continue
-        low_rank = xa if columns is None else xa[:, columns]
+        low_rank = parts[j]
         if accumulate:
             # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
             start = unread_zero(x2d) if bias is None else bias

@@ -109,7 +109,16 @@ def gate_forward(kind: GatedActivation, gate: torch.Tensor, up: torch.Tensor) ->
     """``act(gate) * up`` of two contiguous same-shape buffers into a new tensor, no autograd."""
     if dispatch.use_triton(gate):
         return kind.launch_forward(gate, up)
-    return (kind.activation(gate.float()) * up.float()).to(gate.dtype)
+    return _to(kind.activation(_fp32(gate)) * _fp32(up), gate.dtype)
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    # .float() of an fp32 tensor is itself, yet still one dispatched op; on the torch path every call counts.
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def gate_gradients(
@@ -134,18 +143,34 @@ def gate_gradients(
         if gate.numel():
             kind.launch_backward(dh, gate, up, d_gate, d_up)
         return d_gate, d_up
+    return _torch_gradients(kind, dh, gate, up, needs_gate, needs_up, gate_in_place, up_in_place, None)
+
+
+def _torch_gradients(
+    kind: GatedActivation,
+    dh: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    needs_gate: bool,
+    needs_up: bool,
+    gate_in_place: bool,
+    up_in_place: bool,
+    activated: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     # In fp32, g and u ARE the saved buffers: dh * u is formed before d up lands on u, and act(g) before d gate
     # lands on g. out= writes the result straight into the buffer (rounded once, as .to() would) with no copy.
-    g, u, d = gate.float(), up.float(), dh.float()
+    # ``activated``: act(g) in fp32 when the caller has formed it already (for h), so it is not formed twice.
+    g, u, d = _fp32(gate), _fp32(up), _fp32(dh)
     scaled = d * u if needs_gate else None
     d_up = d_gate = None
     if needs_up:
-        d_up = torch.mul(d, kind.activation(g), out=up) if up_in_place else (d * kind.activation(g)).to(up.dtype)
+        act = kind.activation(g) if activated is None else activated
+        d_up = torch.mul(d, act, out=up) if up_in_place else _to(d * act, up.dtype)
     if needs_gate:
         if gate_in_place:
             d_gate = kind.activation_backward(scaled, g, gate)
         else:
-            d_gate = kind.activation_backward(scaled, g, None).to(gate.dtype)
+            d_gate = _to(kind.activation_backward(scaled, g, None), gate.dtype)
     return d_gate, d_up
 
 
@@ -206,9 +231,10 @@ def gate_gradients_and_hidden(
         if gate.numel():
             kind.launch_backward(dh, gate, up, d_gate, d_up, hidden)
         return hidden, d_gate, d_up
-    # Formed before the gradients land on gate / up, with gate_forward's arithmetic.
-    hidden = (kind.activation(gate.float()) * up.float()).to(gate.dtype)
-    d_gate, d_up = gate_gradients(kind, dh, gate, up, True, True, in_place, in_place)
+    # Formed before the gradients land on gate / up, with gate_forward's arithmetic; act(gate) serves d up too.
+    activated = kind.activation(_fp32(gate))
+    hidden = _to(activated * _fp32(up), gate.dtype)
+    d_gate, d_up = _torch_gradients(kind, dh.contiguous(), gate, up, True, True, in_place, in_place, activated)
     return hidden, d_gate, d_up
 
 
