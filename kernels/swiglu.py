@@ -130,10 +130,12 @@ def gate_gradients(
     needs_up: bool,
     gate_in_place: bool,
     up_in_place: bool,
+    activated: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(d gate, d up), None where not needed, no autograd; written over ``gate`` / ``up`` where ``*_in_place``.
 
     An in-place buffer must be contiguous and must not overlap the other input; the caller bumps its version.
+    ``activated``: act(gate) in fp32 where the caller formed it already (the torch path then does not form it again).
     """
     dh = dh.contiguous()
     if dispatch.use_triton(dh):
@@ -143,23 +145,8 @@ def gate_gradients(
         if gate.numel():
             kind.launch_backward(dh, gate, up, d_gate, d_up)
         return d_gate, d_up
-    return _torch_gradients(kind, dh, gate, up, needs_gate, needs_up, gate_in_place, up_in_place, None)
-
-
-def _torch_gradients(
-    kind: GatedActivation,
-    dh: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    needs_gate: bool,
-    needs_up: bool,
-    gate_in_place: bool,
-    up_in_place: bool,
-    activated: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     # In fp32, g and u ARE the saved buffers: dh * u is formed before d up lands on u, and act(g) before d gate
     # lands on g. out= writes the result straight into the buffer (rounded once, as .to() would) with no copy.
-    # ``activated``: act(g) in fp32 when the caller has formed it already (for h), so it is not formed twice.
     g, u, d = _fp32(gate), _fp32(up), _fp32(dh)
     scaled = d * u if needs_gate else None
     d_up = d_gate = None
@@ -234,7 +221,7 @@ def gate_gradients_and_hidden(
     # Formed before the gradients land on gate / up, with gate_forward's arithmetic; act(gate) serves d up too.
     activated = kind.activation(_fp32(gate))
     hidden = _to(activated * _fp32(up), gate.dtype)
-    d_gate, d_up = _torch_gradients(kind, dh.contiguous(), gate, up, True, True, in_place, in_place, activated)
+    d_gate, d_up = gate_gradients(kind, dh, gate, up, True, True, in_place, in_place, activated)
     return hidden, d_gate, d_up
 
 
