@@ -137,6 +137,12 @@ def empty_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> tor
     return empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``: itself when it has that dtype already. A same-dtype ``.to()`` returns its input too,
+    but only after a dispatch, which the torch path would pay on every call of every layer."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def mark_overwritten(*tensors: torch.Tensor) -> None:
     """Tell autograd a kernel wrote into these tensors behind its back.
 
@@ -149,6 +155,7 @@ def mark_overwritten(*tensors: torch.Tensor) -> None:
 
 __all__ = [
     "HAS_TRITON",
+    "cast",
     "environment",
     "INTERPRETED",
     "empty",

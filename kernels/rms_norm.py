@@ -288,11 +288,11 @@ def _reference_backward(
     cast_before_weight: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The kernel's backward math in torch, in fp32, on ``x``'s own shape (``rstd`` broadcasts as ``[..., 1]``)."""
-    x_hat = _fp32(x) * rstd
-    dy32 = _fp32(dy)
+    x_hat = dispatch.cast(x, torch.float32) * rstd
+    dy32 = dispatch.cast(dy, torch.float32)
     dx = dw = None
     if needs_dx:
-        scale = _fp32(weight)
+        scale = dispatch.cast(weight, torch.float32)
         if offset != 0.0:
             scale = scale + offset
         dn = dy32 * scale
@@ -310,11 +310,6 @@ def _reference_backward(
         if weight.dtype != torch.float32:
             dw = dw.to(weight.dtype)
     return dx, dw
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    # A same-dtype .to() returns t itself, after a Python call: skipped on the fp32 path, where it is every call.
-    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def _num_warps(block: int, backward: bool = False) -> int:

@@ -109,16 +109,8 @@ def gate_forward(kind: GatedActivation, gate: torch.Tensor, up: torch.Tensor) ->
     """``act(gate) * up`` of two contiguous same-shape buffers into a new tensor, no autograd."""
     if dispatch.use_triton(gate):
         return kind.launch_forward(gate, up)
-    return _to(kind.activation(_fp32(gate)) * _fp32(up), gate.dtype)
-
-
-def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    # .float() of an fp32 tensor is itself, yet still one dispatched op; on the torch path every call counts.
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
-
-
-def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+    product = kind.activation(dispatch.cast(gate, torch.float32)) * dispatch.cast(up, torch.float32)
+    return dispatch.cast(product, gate.dtype)
 
 
 def gate_gradients(
@@ -147,17 +139,17 @@ def gate_gradients(
         return d_gate, d_up
     # In fp32, g and u ARE the saved buffers: dh * u is formed before d up lands on u, and act(g) before d gate
     # lands on g. out= writes the result straight into the buffer (rounded once, as .to() would) with no copy.
-    g, u, d = _fp32(gate), _fp32(up), _fp32(dh)
+    g, u, d = dispatch.cast(gate, torch.float32), dispatch.cast(up, torch.float32), dispatch.cast(dh, torch.float32)
     scaled = d * u if needs_gate else None
     d_up = d_gate = None
     if needs_up:
         act = kind.activation(g) if activated is None else activated
-        d_up = torch.mul(d, act, out=up) if up_in_place else _to(d * act, up.dtype)
+        d_up = torch.mul(d, act, out=up) if up_in_place else dispatch.cast(d * act, up.dtype)
     if needs_gate:
         if gate_in_place:
             d_gate = kind.activation_backward(scaled, g, gate)
         else:
-            d_gate = _to(kind.activation_backward(scaled, g, None), gate.dtype)
+            d_gate = dispatch.cast(kind.activation_backward(scaled, g, None), gate.dtype)
     return d_gate, d_up
 
 
@@ -219,8 +211,8 @@ def gate_gradients_and_hidden(
             kind.launch_backward(dh, gate, up, d_gate, d_up, hidden)
         return hidden, d_gate, d_up
     # Formed before the gradients land on gate / up, with gate_forward's arithmetic; act(gate) serves d up too.
-    activated = kind.activation(_fp32(gate))
-    hidden = _to(activated * _fp32(up), gate.dtype)
+    activated = kind.activation(dispatch.cast(gate, torch.float32))
+    hidden = dispatch.cast(activated * dispatch.cast(up, torch.float32), gate.dtype)
     d_gate, d_up = gate_gradients(kind, dh, gate, up, True, True, in_place, in_place, activated)
     return hidden, d_gate, d_up
 
