@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import random_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastft.bench.operators import OperatorMode
 from fastft.kernels import apply_rope, custom_ops, dispatch, geglu, rms_norm, swiglu
@@ -329,3 +330,74 @@ def test_a_kernel_backward_under_torch_checkpoint_recomputes_with_autograd_on(ge
         actual = torch.autograd.grad(out.sum(), [x, w, weight])
     for a, e in zip(actual, expected, strict=True):
         assert torch.allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+class RawOps(TorchDispatchMode):
+    """Every op that reaches the mode as called: below autograd a composite ``to`` arrives whole, even one that only
+    returns its input (a dispatch all the same), which OperatorMode would count as nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+GATE_PATHS = {
+    "swiglu": (
+        importlib.import_module("fastft.kernels.swiglu"),
+        "swiglu_forward",
+        "swiglu_backward_",
+        "swiglu_backward_with_hidden",
+        "aten.silu.default",
+    ),
+    "geglu": (
+        importlib.import_module("fastft.kernels.geglu"),
+        "geglu_forward",
+        "geglu_backward_",
+        "geglu_backward_with_hidden",
+        "aten.gelu.default",
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", GATE_PATHS)
+def test_the_gates_torch_path_casts_only_what_needs_it_and_activates_once_for_h(gen, name, dtype):
+    """In fp32 the torch path dispatches no cast at all (a same-dtype ``.to()`` still costs a dispatch); in bf16 it
+    still casts. The backward that also returns h forms act(gate) once, for h and d up alike, and matches the forward
+    and the plain backward bit for bit."""
+    module, forward, backward_, with_hidden, activation = GATE_PATHS[name]
+    gate, up, dh = (random_tensor((16, 128), torch.float32, gen).to(dtype) for _ in range(3))
+    with dispatch.force_reference(), custom_ops.below_autograd():
+        expected_h = getattr(module, forward)(gate.clone(), up.clone())
+        expected_dgate, expected_dup = getattr(module, backward_)(dh, gate.clone(), up.clone())
+        with RawOps() as seen:
+            h, dgate, dup = getattr(module, with_hidden)(dh, gate.clone(), up.clone(), True)
+        with RawOps() as forward_seen:
+            getattr(module, forward)(gate, up)
+    assert torch.equal(h, expected_h) and torch.equal(dgate, expected_dgate) and torch.equal(dup, expected_dup)
+    assert seen.ops[activation] == 1 and forward_seen.ops[activation] == 1
+    casts = seen.ops["aten.to.dtype"] + forward_seen.ops["aten.to.dtype"]
+    assert casts == 0 if dtype == torch.float32 else casts > 0
+
+
+def test_a_group_takes_its_adapters_columns_of_xa_with_one_split(gen):
+    """q | k | v with LoRA on q and v only: one split_with_sizes gives each adapter its columns of X Aᵀ (no slice per
+    adapter), and every output is the base GEMM plus its own adapter's term."""
+    lora_math = importlib.import_module("fastft.kernels.lora_math")
+    spec = lora_math.Spec("qkv", [64, 32, 32], [64, 64, 64], [8, None, 4], [2.0, 1.0, 0.5], [False] * 3)
+    x = random_tensor((16, 64), torch.float32, gen)
+    weights = [random_tensor((width, 64), torch.float32, gen) for width in (64, 32, 32)]
+    lora_a = [random_tensor((rank, 64), torch.float32, gen) for rank in (8, 4)]
+    lora_b = [random_tensor((width, rank), torch.float32, gen) for width, rank in ((64, 8), (32, 4))]
+    xa = x @ torch.cat(lora_a).t()
+    for accumulate in (False, True):
+        with custom_ops.below_autograd(), RawOps() as seen:
+            q, k, v = lora_math._dense(spec, x, weights, xa, lora_b, None, accumulate)
+        assert seen.ops["aten.split_with_sizes.default"] == 1 and seen.ops["aten.slice.Tensor"] == 0
+        torch.testing.assert_close(q, x @ weights[0].t() + 2.0 * (x @ lora_a[0].t()) @ lora_b[0].t())
+        torch.testing.assert_close(k, x @ weights[1].t())
+        torch.testing.assert_close(v, x @ weights[2].t() + 0.5 * (x @ lora_a[1].t()) @ lora_b[1].t())
