@@ -305,16 +305,25 @@ def kernel_path(request, monkeypatch):
 
 
 def _require_interpreter_loops() -> None:
+    import numpy
     import triton
-    from packaging.version import Version
 
     # triton < 3.9's interpreter turns a runtime scalar used as a loop bound into a 1-element array that numpy 2.4
     # refuses to convert ("only 0-dimensional arrays can be converted to Python scalars"); compiled kernels are fine.
-    if Version(triton.__version__).release < (3, 9):
+    # An older numpy converts it: Python 3.10 has neither triton 3.9 nor numpy 2.3+, and runs these tests on 3.8.
+    if interpreter_loops_broken(triton.__version__, numpy.__version__):
         pytest.fail(
-            f"the CPU kernel tests run Triton's interpreter, which needs triton >= 3.9 (installed: "
-            f"{triton.__version__}); run pip install -U 'triton>=3.9' (GPU runs compile the kernels and accept 3.6)"
+            f"the CPU kernel tests run Triton's interpreter, which with numpy >= 2.4 needs triton >= 3.9 (installed: "
+            f"triton {triton.__version__}, numpy {numpy.__version__}); run pip install -U 'triton>=3.9' (or, where "
+            "no triton 3.9 exists, pip install 'numpy<2.4'). GPU runs compile the kernels and accept triton 3.6."
         )
+
+
+def interpreter_loops_broken(triton_version: str, numpy_version: str) -> bool:
+    """Whether Triton's interpreter fails on a kernel loop with a runtime bound: triton < 3.9 with numpy >= 2.4."""
+    from packaging.version import Version
+
+    return Version(triton_version).release < (3, 9) and Version(numpy_version).release >= (2, 4)
 
 
 def lora_weights(model) -> dict[str, torch.Tensor]:

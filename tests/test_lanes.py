@@ -321,3 +321,19 @@ def test_lanes_run_at_a_time_start_longest_first(lanes, tmp_path, monkeypatch):
     outcomes = lanes.run_lanes(chosen, "pip", False, [], jobs=2)
     assert started[0] == "b" and sorted(started) == ["a", "b", "c"]
     assert [outcome.lane.name for outcome in outcomes] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "broken"),
+    [
+        ("3.6.0", "2.4.1", True),  # torch 2.11's CUDA pin under the newest numpy: the interpreter fails
+        ("3.7.1", "2.4.0", True),
+        ("3.8.0", "2.2.6", False),  # Python 3.10: no triton 3.9, no numpy 2.3+; the kernel tests pass there
+        ("3.9.0", "2.4.1", False),
+        ("3.9.0", "2.2.6", False),
+    ],
+)
+def test_the_interpreter_gate_refuses_only_triton_older_than_3_9_under_numpy_2_4(triton_version, numpy_version, broken):
+    from conftest import interpreter_loops_broken
+
+    assert interpreter_loops_broken(triton_version, numpy_version) is broken
