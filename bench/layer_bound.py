@@ -1,7 +1,7 @@
 """One fused decoder layer against the same operators written as straight-line code: how much of the layer's host
 time is fastft's Python (CPU, ``bench/host.py``'s model).
 
-    python bench/layer_bound.py [--rounds 15] [--calls 100] [--out bench/results/layer-bound-cpu.json]
+    python bench/layer_bound.py [--rounds 30] [--calls 100] [--out bench/results/layer-bound-cpu.json]
 
 ``bench/host.py``'s operator floor says what a step's operators cost with no Python around them at all. This says
 what one layer's operators cost with the least Python a hand-written layer needs: the straight-line layer computes
@@ -58,7 +58,7 @@ def _by_path(path: Path, name: str) -> Any:
 
 HOST = _by_path(Path(__file__).resolve().parent / "host.py", "_fastft_bench_host")
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = {"rounds": 15, "calls": 100}
+DEFAULTS = {"rounds": 30, "calls": 100}
 QUICK = {"rounds": 2, "calls": 3}
 KINDS = ("forward", "forward_backward")
 _ATEN = torch.ops.aten

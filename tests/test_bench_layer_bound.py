@@ -57,7 +57,7 @@ def test_committed_record_is_a_full_run_on_the_cpu():
     record = json.loads((ROOT / "bench" / "results" / "layer-bound-cpu.json").read_text())
     _check_record(record)
     assert record["device"].startswith("cpu")
-    assert (record["settings"]["rounds"], record["settings"]["calls"], record["settings"]["threads"]) == (15, 100, 1)
+    assert (record["settings"]["rounds"], record["settings"]["calls"], record["settings"]["threads"]) == (30, 100, 1)
     # The straight line is the faster of the two: otherwise it bounds nothing.
     assert (
         record["median_s"]["straight_line"]["forward_backward"] < record["median_s"]["fastft_node"]["forward_backward"]
