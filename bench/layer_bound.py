@@ -24,14 +24,12 @@ per plan to serve them. It measures what that would save on this layer.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _here]
-    os.environ.pop("TRITON_INTERPRET", None)
+    # Run as a script, bench/ heads sys.path, and its kernels.py would shadow the PyPI package `kernels`.
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import contextlib
@@ -48,16 +46,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
-def _by_path(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HOST = _by_path(Path(__file__).resolve().parent / "host.py", "_fastft_bench_host")
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCH = Path(__file__).resolve().parent
+# bench/host.py's model, its build and its step: loaded by path, as host.py loads its own neighbours.
+_HOST_SPEC = importlib.util.spec_from_file_location("_fastft_bench_host", BENCH / "host.py")
+HOST = importlib.util.module_from_spec(_HOST_SPEC)
+_HOST_SPEC.loader.exec_module(HOST)
+RESULTS = BENCH / "results"
 DEFAULTS = {"rounds": 30, "calls": 100}
 QUICK = {"rounds": 2, "calls": 3}
 KINDS = ("forward", "forward_backward")
