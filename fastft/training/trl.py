@@ -64,7 +64,8 @@ def sft_config(output_dir: str, dtype: torch.dtype | str | None, max_length: int
     tensor cores, bf16 becomes fp16 with a warning, as it does when the model is loaded. Checkpointing is left to the
     mode chosen in ``FastModel.get_peft_model``. Under torchrun / ``accelerate launch`` Trainer trains with DDP, on CPU
     too (gloo); a single process that sees several GPUs trains on one of them
-    (:func:`fastft.loading.distributed.one_gpu_per_process`) instead of falling back to ``nn.DataParallel``.
+    (:func:`fastft.loading.distributed.one_gpu_per_process`) instead of falling back to ``nn.DataParallel``. The loss
+    is the model's own (``loss_type="nll"``, where trl has the field): fastft's fused cross-entropy.
 
     :func:`dpo_config`, :func:`kto_config` and :func:`grpo_config` build the other trainers' configs the same way.
 
@@ -78,7 +79,9 @@ def sft_config(output_dir: str, dtype: torch.dtype | str | None, max_length: int
     Returns:
         The config.
     """
-    return _config(SFTConfig, output_dir, dtype, {"max_length": max_length}, overrides)
+    # trl 1.14's default loss, "chunked_nll", puts trl's own chunked loss on the model's forward, in place of the
+    # fused one fastft's forward computes; "nll", the default before it and again since 1.16, keeps the model's own.
+    return _config(SFTConfig, output_dir, dtype, {"max_length": max_length, "loss_type": "nll"}, overrides)
 
 
 def dpo_config(
