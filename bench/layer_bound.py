@@ -159,10 +159,7 @@ class _Straight(torch.autograd.Function):
         g_bg = torch.addmm(zero, d_gate.t(), xg, beta=0, alpha=s)
         g_bu = torch.addmm(zero, d_up.t(), xu, beta=0, alpha=s)
         # post-attention norm, the residual stream's gradient added
-        h_hat = h * rstd2
-        dn = d_n2 * layer.norms[1]
-        d_h = torch.addcmul(dn, h_hat, (dn * h_hat).mean(-1, keepdim=True), value=-1.0) * rstd2
-        d_h.add_(dy)
+        d_h = _norm_backward(d_n2, h, rstd2, layer.norms[1]).add_(dy)
         # o
         d_att = torch.mm(d_h, wo)
         dyb_o = torch.mm(d_h, bo)
@@ -189,12 +186,21 @@ class _Straight(torch.autograd.Function):
         g_a = [torch.addmm(zero, d.t(), n1, beta=0, alpha=s) for d in (dyb_q, dyb_k, dyb_v)]
         g_b = [torch.addmm(zero, d.t(), xp, beta=0, alpha=s) for d, xp in ((dq, xq), (dk, xk), (dv, xv))]
         # input norm, the residual again
-        x_hat = x2d * rstd1
-        dn = d_n1 * layer.norms[0]
-        dx = torch.addcmul(dn, x_hat, (dn * x_hat).mean(-1, keepdim=True), value=-1.0) * rstd1
-        dx.add_(d_h)
+        dx = _norm_backward(d_n1, x2d, rstd1, layer.norms[0]).add_(d_h)
         grads = (g_a[0], g_b[0], g_a[1], g_b[1], g_a[2], g_b[2], g_ao, g_bo, g_ag, g_bg, g_au, g_bu, g_ad, g_bd)
         return (dx.view(batch, seq, hidden), None, *grads)
+
+
+def _norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # RMSNorm's dX in fp32, the node's operators in its order (rms_norm.py's reference backward).
+    x_hat = x * rstd
+    dn = grad * weight
+    return torch.addcmul(dn, x_hat, (dn * x_hat).mean(-1, keepdim=True), value=-1.0) * rstd
+
+
+def _clear(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        tensor.grad = None
 
 
 def _captured_node(model: torch.nn.Module, runner: Any) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
@@ -218,13 +224,11 @@ def _captured_node(model: torch.nn.Module, runner: Any) -> tuple[Callable[..., t
 
 
 def _gradients(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor, params: list) -> list:
-    for tensor in [x, *params]:
-        tensor.grad = None
+    _clear([x, *params])
     out = run(x)
     out.backward(grad)
     found = [out.detach().clone(), x.grad.clone(), *(p.grad.clone() for p in params)]
-    for tensor in [x, *params]:
-        tensor.grad = None
+    _clear([x, *params])
     return found
 
 
@@ -258,18 +262,18 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
             forward_ops = sum(counter.counts.values())
             out.backward(grad)
         counts[name] = {"forward": forward_ops, "forward_backward": sum(counter.counts.values())}
-        for tensor in [x, *params]:
-            tensor.grad = None
+        _clear([x, *params])
 
     def forward(run: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for _ in range(calls):
             run(x)
 
+    tensors = [x, *params]
+
     def forward_backward(run: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for _ in range(calls):
             run(x).backward(grad)
-            for tensor in [x, *params]:
-                tensor.grad = None
+            _clear(tensors)
 
     times: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in KINDS} for name in runs}
     for kind, loop in (("forward", forward), ("forward_backward", forward_backward)):
