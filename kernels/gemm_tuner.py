@@ -336,18 +336,20 @@ def rows_bucket(m: int) -> int:
     return 1 << (max(m, 1) - 1).bit_length()
 
 
-def plan_key(x: torch.Tensor) -> tuple:
+def plan_key(x: torch.Tensor, dtype: torch.dtype | None = None) -> tuple:
     """Everything besides the group's fixed shapes that :func:`choose` reads for an ``[M, K]`` input ``x``: M's
     bucket, dtype, device, whether Triton runs on it, the forced mode and pinned candidate, ``FASTFT_GEMM``,
     ``FASTFT_NF4_DEQUANT``, the simulated target and :func:`reset`'s generation. Two calls with equal keys get the
     same choice, so a group memoises it under this key (invalid settings are not validated here: :func:`choose`
-    raises on them before anything is memoised)."""
+    raises on them before anything is memoised). ``dtype``: the key of x cast to it (x's own dtype by default)."""
+    if dtype is None:
+        dtype = x.dtype
     if x.is_cpu and not dispatch.INTERPRETED:
         # Only the torch reference runs on CPU tensors then (choose's first answer): no switch can change that.
-        return (rows_bucket(x.shape[0]), x.dtype, "cpu", _generation)
+        return (rows_bucket(x.shape[0]), dtype, "cpu", _generation)
     return (
         rows_bucket(x.shape[0]),
-        x.dtype,
+        dtype,
         x.device,
         dispatch.use_triton(x),
         getattr(_state, "mode", None),

@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from fastft.kernels.custom_ops import below_autograd, direct_apply
 from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_layer_program import program_for, programs_of
 from fastft.kernels.lora_math import cast_groups
 from fastft.kernels.lora_mlp import LoRAMLP, mlp_backward, mlp_forward
 from fastft.kernels.lora_projection import autocast_off
@@ -53,7 +54,19 @@ class DecoderLayerSpec:
         head_dim: The attention's head_dim.
     """
 
-    __slots__ = ("_adapters", "frozen", "head_dim", "input_eps", "lora_cuts", "mlp", "o", "post_eps", "qkv", "sizes")
+    __slots__ = (
+        "_adapters",
+        "frozen",
+        "head_dim",
+        "input_eps",
+        "lora_cuts",
+        "mlp",
+        "o",
+        "post_eps",
+        "programs",
+        "qkv",
+        "sizes",
+    )
 
     def __init__(self, qkv: LoRAGroup, o: LoRAGroup, mlp: LoRAMLP, input_eps: float, post_eps: float, head_dim: int):
         self.qkv, self.o, self.mlp = qkv, o, mlp
@@ -73,6 +86,8 @@ class DecoderLayerSpec:
         self.frozen = qkv._frozen + o._frozen + mlp.gate_up._frozen + mlp.down._frozen
         # The groups' adapter tuples are fixed when they are made: joined once, not on every call.
         self._adapters = qkv._adapters + o._adapters + mlp._adapters
+        # Straight-line programs of this layer per plan key (lora_layer_program), or None where none can serve it.
+        self.programs = programs_of(self)
 
     def adapters(self) -> tuple[torch.Tensor, ...]:
         """Every A and B of the layer: the q / k / v group's, o's, then the MLP's (each part as it orders them)."""
@@ -109,6 +124,10 @@ def _forward(
     batch, seq, hidden = x.shape
     # Made above below_autograd(): a saved view of the input must share the input's version counter.
     x2d = x.reshape(-1, hidden)
+    program = program_for(spec, x2d, dtype)
+    if program is not None:
+        # The same operators in the same order, every choice made when the program was.
+        return program.forward(x, x2d, cos, sin, attend, input_weight, post_weight, adapters, dtype, ctx, output)
     qkv_adapters, o_adapters, mlp_adapters = spec.split(adapters)
     casts: tuple[Any, ...] = ({}, {}, ({}, {}))
 
@@ -138,7 +157,7 @@ def _forward(
     hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out = rest
 
     if ctx is not None:
-        ctx.spec, ctx.graph, ctx.casts, ctx.shape = spec, graph, casts, (batch, seq, hidden)
+        ctx.program, ctx.spec, ctx.graph, ctx.casts, ctx.shape = None, spec, graph, casts, (batch, seq, hidden)
         # Positional, in _Saved's order (a NamedTuple cannot be saved as such, its fields can).
         saved = (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in)
         ctx.save_for_backward(*saved, *mlp_saved, input_weight, post_weight, *adapters)
@@ -319,6 +338,8 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
                 "second pass): run the forward again for another backward, or load with "
                 "FastModel.from_pretrained(..., patch=False)."
             )
+        if ctx.program is not None:
+            return ctx.program.backward(ctx, grad, attention_backward)
         spec: DecoderLayerSpec = ctx.spec
         # Read once: each read of ctx.saved_tensors unpacks (and version-checks) every saved tensor again.
         everything = ctx.saved_tensors

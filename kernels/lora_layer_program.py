@@ -1,0 +1,468 @@
+"""A fused decoder layer's forward and backward as straight-line code, for a layer whose plan fixes every choice.
+
+:mod:`fastft.kernels.lora_decoder_layer` runs a layer through the general math of its parts: each LoRA group walks
+its segment table, asks its memo for the GEMM order, looks for casts, sorts out which gradients are wanted and
+gathers its LoRA gradients through a pending object; the MLP and the q / k / v group with RoPE wrap that again. That
+generality costs about a quarter of a layer's host time (``bench/layer_bound.py``), paid on every layer of every step.
+
+Most layers need none of it: every projection dense and carrying LoRA, no bias, q | k | v and gate | up each under one
+scale, every adapter trainable and of one dtype, every group on torch's matmul (cuBLAS on a GPU: what the tuner picks
+for every group it has measured). For such a layer a :class:`LayerProgram` holds what the general code works out per
+call (the four groups' GEMM orders, widths, ranks and scales, whether adapters are cast) and runs the same operators
+in the same order, one line each, so the layer's numbers are the general node's bit for bit (tests/test_layer_program.
+py checks every output and gradient with ``torch.equal``). The norms, RoPE, the gate kernels and the attention are the
+same functions the general node calls.
+
+A program is made once per layer spec, GEMM plan key and autocast dtype, and only after the general node has run once
+under that key (the tuner's choice is then in each group's memo). Anything else runs the general node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastft.kernels import dispatch, gemm_tuner
+from fastft.kernels.custom_ops import below_autograd
+from fastft.kernels.lora_math import unread_zero
+from fastft.kernels.lora_mlp_math import ACTIVATIONS, HIDDEN_BACKWARDS
+from fastft.kernels.lora_projection import autocast_off
+from fastft.kernels.rms_norm import _backward as rms_norm_backward
+from fastft.kernels.rms_norm import _forward as rms_norm_forward
+from fastft.kernels.rope import _checked, _compute_dtype, _launch, _reference_tables, _rotate
+
+_linear = torch.nn.functional.linear
+_ACCUMULATE = gemm_tuner.CUBLAS_ACCUMULATE.path
+_CUBLAS_PATHS = (gemm_tuner.CUBLAS.path, _ACCUMULATE)
+# Saved besides the norm weights and adapters, in this order (the general node's _Saved order).
+_SAVED = 15
+
+
+class LayerProgram:
+    """The fixed choices of one eligible layer under one plan key; :meth:`forward` and :meth:`backward` run it.
+
+    Built by :func:`program_for`, never by hand: it trusts that the spec passed :func:`_eligible`.
+    """
+
+    __slots__ = (
+        "accumulate",
+        "activation",
+        "adapter_dtype",
+        "cast",
+        "dtype",
+        "gate_backward",
+        "head_dim",
+        "input_eps",
+        "post_eps",
+        "qkv_ranks",
+        "gate_up_ranks",
+        "scales",
+        "spec",
+        "triton",
+        "weights",
+        "zero",
+    )
+
+    def __init__(self, spec: Any, accumulate: tuple[bool, ...], x2d: torch.Tensor, dtype: torch.dtype) -> None:
+        qkv, o, mlp = spec.qkv, spec.o, spec.mlp
+        self.spec = spec
+        self.dtype = dtype
+        self.accumulate = accumulate
+        self.weights = (*qkv._weights, *o._weights, *mlp.gate_up._weights, *mlp.down._weights)
+        self.adapter_dtype = spec._adapters[0].dtype
+        self.cast = self.adapter_dtype != dtype
+        self.scales = (
+            qkv._spec.grouped_scale,
+            o._spec.scales[0],
+            mlp.gate_up._spec.grouped_scale,
+            mlp.down._spec.scales[0],
+        )
+        self.qkv_ranks, self.gate_up_ranks = qkv._spec.lora_rows, mlp.gate_up._spec.lora_rows
+        self.activation = ACTIVATIONS[mlp.activation][0]
+        self.gate_backward = HIDDEN_BACKWARDS[mlp.activation]
+        self.input_eps, self.post_eps, self.head_dim = spec.input_eps, spec.post_eps, spec.head_dim
+        # Which kernels the norms, RoPE and gate take depends on the device only (and the plan key's switches).
+        self.triton = dispatch.use_triton(x2d)
+        self.zero = _zero(x2d.device, dtype)
+
+    def holds(self) -> bool:
+        """Whether the parameters still have the dtypes the program was made for (its key holds the compute dtype)."""
+        weight_dtype, adapter_dtype = self.dtype, self.adapter_dtype
+        return all(w.dtype == weight_dtype for w in self.weights) and all(
+            a.dtype == adapter_dtype for a in self.spec._adapters
+        )
+
+    # The forward ----------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        x2d: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Any,
+        input_weight: torch.Tensor,
+        post_weight: torch.Tensor,
+        adapters: Sequence[torch.Tensor],
+        dtype: torch.dtype | None,
+        ctx: Any,
+        output: bool,
+    ) -> torch.Tensor:
+        """The general node's ``_forward`` for this layer: its output, and with ``ctx`` what the backward reads.
+
+        ``x2d`` is ``x`` as ``[tokens, hidden]``, made by the caller outside :func:`below_autograd` (a saved view of
+        the input must share its version counter)."""
+        aq, ak, av, bq, bk, bv, ao, bo, ag, au, ad, bg, bu, bd = adapters
+        wq, wk, wv, wo, wg, wu, wd = self.weights
+        s_qkv, s_o, s_gate_up, s_down = self.scales
+        acc_qkv, acc_o, acc_gate_up, acc_down = self.accumulate
+        batch, seq, hidden = x.shape
+        off = _Off(x, dtype)
+        with below_autograd():
+            normed, input_rstd = rms_norm_forward(x2d, input_weight, self.input_eps, 0.0, True)
+            group_in = normed if dtype is None else normed.to(dtype)
+            if self.cast:
+                a_qkv, a_gate_up, cast = _cast(adapters, self.qkv_ranks, self.gate_up_ranks, self.dtype)
+                bq, bk, bv, ao, bo, ad, bg, bu, bd = cast
+            else:
+                a_qkv, a_gate_up = torch.cat((aq, ak, av)), torch.cat((ag, au))
+            with off:
+                xa_qkv = _linear(group_in, a_qkv)
+                xq, xk, xv = torch.split_with_sizes(xa_qkv, self.qkv_ranks, 1)
+                zero = self.zero
+                q = _project(group_in, wq, xq, bq, s_qkv, acc_qkv, zero)
+                k = _project(group_in, wk, xk, bk, s_qkv, acc_qkv, zero)
+                v = _project(group_in, wv, xv, bv, s_qkv, acc_qkv, zero)
+                head_dim = self.head_dim
+                q = q.view(batch, seq, -1, head_dim).transpose(1, 2)
+                k = k.view(batch, seq, -1, head_dim).transpose(1, 2)
+                v = v.view(batch, seq, -1, head_dim).transpose(1, 2)
+                _checked("lora_qkv_rope", q, k, cos, sin, None)
+                if self.triton:
+                    _launch(q, k, q, k, cos, sin, None, backward=False)
+                else:
+                    table, factor = _reference_tables(cos, sin, None, _compute_dtype(q.dtype), backward=False)
+                    q, k = _rotate(q, table, factor), _rotate(k, table, factor)
+        if ctx is None:
+            attention = attend(q, k, v)
+            graph = None
+        else:
+            # The attention's own graph over q, k and v only, as the general node builds it.
+            with torch.enable_grad():
+                q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+                out = attend(q, k, v)
+            graph = (q, k, v, out)
+            attention = out.detach()
+        with below_autograd():
+            attention2d = attention.reshape(batch * seq, -1)
+            o_in = attention2d if dtype is None else attention2d.to(dtype)
+            with off:
+                xa_o = _linear(o_in, ao)
+                o_out = _project(o_in, wo, xa_o, bo, s_o, acc_o, zero)
+            hidden_states = x2d + o_out
+            post_normed, post_rstd = rms_norm_forward(hidden_states, post_weight, self.post_eps, 0.0, True)
+            mlp_in = post_normed if dtype is None else post_normed.to(dtype)
+            with off:
+                xa_gate_up = _linear(mlp_in, a_gate_up)
+                xg, xu = torch.split_with_sizes(xa_gate_up, self.gate_up_ranks, 1)
+                gate = _project(mlp_in, wg, xg, bg, s_gate_up, acc_gate_up, zero)
+                up = _project(mlp_in, wu, xu, bu, s_gate_up, acc_gate_up, zero)
+                h = self.activation(gate, up)
+                xa_down = _linear(h, ad)
+                down = _project(h, wd, xa_down, bd, s_down, acc_down, zero) if output else None
+            if output:
+                result = hidden_states + down
+            else:
+                # The backward never reads the output (a checkpointed layer's recompute): no down GEMM, no add.
+                dtype_out = torch.promote_types(hidden_states.dtype, mlp_in.dtype)
+                result = hidden_states.new_empty(hidden_states.shape, dtype=dtype_out)
+        if ctx is not None:
+            ctx.program, ctx.spec, ctx.graph, ctx.shape = self, self.spec, graph, (batch, seq, hidden)
+            ctx.stacked = (a_qkv, a_gate_up, (bq, bk, bv, ao, bo, ad, bg, bu, bd) if self.cast else None)
+            saved = (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in)
+            ctx.save_for_backward(*saved, xa_gate_up, gate, up, xa_down, input_weight, post_weight, *adapters)
+        return result.view(batch, seq, hidden)
+
+    # The backward ---------------------------------------------------------------------------------------------------
+
+    def backward(self, ctx: Any, grad: torch.Tensor, attention_backward: Any) -> tuple[torch.Tensor | None, ...]:
+        """The general node's backward for this layer: the gradients of the node's inputs, in their order."""
+        everything = ctx.saved_tensors
+        (x2d, input_rstd, group_in, xa_qkv, cos, sin, o_in, xa_o, hidden_states, post_rstd, mlp_in) = everything[:11]
+        xa_gate_up, gate, up, xa_down, input_weight, post_weight = everything[11:17]
+        aq, ak, av, bq, bk, bv, ao, bo, ag, au, ad, bg, bu, bd = everything[17:]
+        a_qkv, a_gate_up, cast = ctx.stacked
+        ctx.stacked = None
+        if cast is not None:
+            bq, bk, bv, ao, bo, ad, bg, bu, bd = cast
+        wq, wk, wv, wo, wg, wu, wd = self.weights
+        s_qkv, s_o, s_gate_up, s_down = self.scales
+        acc_qkv, acc_o, acc_gate_up, acc_down = self.accumulate
+        batch, seq, hidden = ctx.shape
+        needs = ctx.needs_input_grad
+        dtype, zero = self.dtype, self.zero
+        # The LoRA gradients of a cast layer (fp32 adapters over a 16-bit base) are cast together at the end.
+        sources: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        with below_autograd():
+            grad2d = grad.reshape(-1, hidden)
+            # down
+            dy = grad2d if grad2d.dtype == dtype else grad2d.to(dtype)
+            d_hidden = None if acc_down else torch.mm(dy, wd)
+            dyb_down = torch.mm(dy, bd)
+            d_hidden = _low_rank(d_hidden, dyb_down, ad, s_down, zero)
+            if acc_down:
+                d_hidden.addmm_(dy, wd)
+            # the gate: H rewritten, d gate / d up written over the saved gate / up
+            h, d_gate, d_up = self.gate_backward(d_hidden, gate, up, True)
+            dispatch.mark_overwritten(gate, up)
+            del d_hidden
+            g_ad = torch.addmm(zero, dyb_down.t(), h, beta=0, alpha=s_down)
+            g_bd = torch.addmm(zero, dy.t(), xa_down, beta=0, alpha=s_down)
+            del h
+            # gate | up
+            d_mlp_in, g_a_gate_up, g_b_gate_up = _grouped_backward(
+                mlp_in, xa_gate_up, (wg, wu), a_gate_up, (bg, bu), (d_gate, d_up), True, self.gate_up_ranks,
+                s_gate_up, acc_gate_up, self.cast, zero,
+            )  # fmt: skip
+            # The residual stream's gradient joins the norm's in its kernel.
+            fold = grad2d.dtype == hidden_states.dtype
+            d_h, g_post_weight = rms_norm_backward(
+                d_mlp_in, hidden_states, post_weight, post_rstd, 0.0, True, True, needs[7], grad2d if fold else None
+            )
+            if not fold:
+                d_h = d_h + grad2d
+            # o
+            dy_o = d_h if d_h.dtype == dtype else d_h.to(dtype)
+            d_o_in = None if acc_o else torch.mm(dy_o, wo)
+            dyb_o = torch.mm(dy_o, bo)
+            d_o_in = _low_rank(d_o_in, dyb_o, ao, s_o, zero)
+            if acc_o:
+                d_o_in.addmm_(dy_o, wo)
+            g_ao = torch.addmm(zero, dyb_o.t(), o_in, beta=0, alpha=s_o)
+            g_bo = torch.addmm(zero, dy_o.t(), xa_o, beta=0, alpha=s_o)
+        query, key, value, out = ctx.graph
+        ctx.graph = None
+        grad_out = d_o_in.view(out.shape)
+        if grad_out.dtype != out.dtype:
+            grad_out = grad_out.to(out.dtype)
+        grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
+        with below_autograd():
+            grad_q, grad_k, grad_v = (
+                torch.zeros_like(leaf) if found is None else found
+                for found, leaf in zip((grad_q, grad_k, grad_v), (query, key, value), strict=True)
+            )
+            if self.triton:
+                rotated = []
+                for found in (grad_q, grad_k):
+                    b, heads, s, d = found.shape
+                    rotated.append(dispatch.empty((b, s, heads, d), dtype=found.dtype, device=found.device))
+                rotated = [t.transpose(1, 2) for t in rotated]
+                _launch(grad_q, grad_k, rotated[0], rotated[1], cos, sin, None, backward=True)
+                grad_q, grad_k = rotated
+            else:
+                table, factor = _reference_tables(cos, sin, None, _compute_dtype(grad_q.dtype), backward=True)
+                grad_q, grad_k = _rotate(grad_q, table, factor), _rotate(grad_k, table, factor)
+            tokens = batch * seq
+            flat = [g.transpose(1, 2).reshape(tokens, -1) for g in (grad_q, grad_k, grad_v)]
+            needs_x = needs[0] or needs[6]
+            d_group_in, g_a_qkv, g_b_qkv = _grouped_backward(
+                group_in, xa_qkv, (wq, wk, wv), a_qkv, (bq, bk, bv), flat, needs_x, self.qkv_ranks, s_qkv, acc_qkv,
+                self.cast, zero,
+            )  # fmt: skip
+            grad_x = grad_input_weight = None
+            fold = needs[0] and d_h.dtype == x2d.dtype
+            if d_group_in is not None:
+                grad_x, grad_input_weight = rms_norm_backward(
+                    d_group_in, x2d, input_weight, input_rstd, 0.0, True, needs[0], needs[6], d_h if fold else None
+                )
+            if needs[0]:
+                grad_x = (grad_x if fold else grad_x + d_h).view(batch, seq, hidden)
+            grads = (*g_a_qkv, *g_b_qkv, g_ao, g_bo, *g_a_gate_up, g_ad, *g_b_gate_up, g_bd)
+            if self.cast:
+                parameters = everything[17:]
+                for found, parameter in zip(grads, parameters, strict=True):
+                    targets.append(torch.empty_like(found, dtype=parameter.dtype))
+                    sources.append(found)
+                torch._foreach_copy_(targets, sources)
+                grads = tuple(targets)
+        return (grad_x, None, None, None, None, None, grad_input_weight, g_post_weight, *grads)
+
+
+def _project(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    low: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    accumulate: bool,
+    zero: torch.Tensor,
+) -> torch.Tensor:
+    # One segment's output, in the order the tuner chose (lora_math._dense): base GEMM then the low-rank term added
+    # in place, or the low-rank term first and the base GEMM accumulated onto it.
+    if accumulate:
+        return torch.addmm(zero, low, b.t(), beta=0, alpha=scale).addmm_(x2d, weight.t())
+    return _linear(x2d, weight).addmm_(low, b.t(), alpha=scale)
+
+
+def _low_rank(
+    grad_x: torch.Tensor | None, dyb: torch.Tensor, a: torch.Tensor, scale: float, zero: torch.Tensor
+) -> torch.Tensor:
+    # s (dY B) A added onto grad_x, or written as its first term (lora_backward._low_rank_term).
+    if grad_x is None:
+        return torch.addmm(zero, dyb, a, beta=0, alpha=scale)
+    return grad_x.addmm_(dyb, a, alpha=scale)
+
+
+def _grouped_backward(
+    x2d: torch.Tensor,
+    xa: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    stacked_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    needs_x: bool,
+    ranks: tuple[int, ...],
+    scale: float,
+    accumulate: bool,
+    cast: bool,
+    zero: torch.Tensor,
+) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+    """``(dX or None, [dA], [dB])`` of a group of two or three adapters under one scale, as
+    :func:`fastft.kernels.lora_backward.backward_input` and ``finish`` compute them for it, in their order."""
+    dtype = x2d.dtype
+    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
+    grad_x = None
+    if needs_x and not accumulate:
+        for grad, weight in zip(grads, weights, strict=True):
+            grad_x = torch.mm(grad, weight) if grad_x is None else grad_x.addmm_(grad, weight)
+    dyb = torch.empty((x2d.shape[0], xa.shape[1]), dtype=dtype, device=x2d.device)
+    dyb_parts = torch.split_with_sizes(dyb, ranks, dim=1)
+    for grad, b, part in zip(grads, lora_b, dyb_parts, strict=True):
+        torch.mm(grad, b, out=part)
+    xas = torch.split_with_sizes(xa, ranks, dim=1)
+    if needs_x:
+        grad_x = _low_rank(grad_x, dyb, stacked_a, scale, zero)
+        if accumulate:
+            for grad, weight in zip(grads, weights, strict=True):
+                grad_x.addmm_(grad, weight)
+    if cast:
+        # Every dA at once; its row blocks are cast into tensors of their own afterwards.
+        grad_a = list(torch.split_with_sizes(torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale), ranks))
+    else:
+        grad_a = [torch.addmm(zero, part.t(), x2d, beta=0, alpha=scale) for part in dyb_parts]
+    grad_b = [torch.addmm(zero, grad.t(), xa_j, beta=0, alpha=scale) for grad, xa_j in zip(grads, xas, strict=True)]
+    return grad_x, grad_a, grad_b
+
+
+def _cast(
+    adapters: Sequence[torch.Tensor], qkv_ranks: tuple[int, ...], gate_up_ranks: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The stacked q | k | v and gate | up A's and every other adapter in ``dtype``, by one ``_foreach_copy_``
+    (:func:`fastft.kernels.lora_math.cast_groups`): ``(A_qkv, A_gate_up, [B_q, B_k, B_v, A_o, B_o, A_down, B_gate,
+    B_up, B_down])``."""
+    aq, ak, av, bq, bk, bv, ao, bo, ag, au, ad, bg, bu, bd = adapters
+    a_qkv = torch.empty((sum(qkv_ranks), aq.shape[1]), dtype=dtype, device=aq.device)
+    a_gate_up = torch.empty((sum(gate_up_ranks), ag.shape[1]), dtype=dtype, device=ag.device)
+    singles = (bq, bk, bv, ao, bo, ad, bg, bu, bd)
+    cast = [torch.empty_like(t, dtype=dtype) for t in singles]
+    targets = [*a_qkv.split(qkv_ranks), *a_gate_up.split(gate_up_ranks), *cast]
+    torch._foreach_copy_(targets, [aq, ak, av, ag, au, *singles])
+    return a_qkv, a_gate_up, cast
+
+
+class _Off:
+    """Autocast off around the groups when the caller runs under autocast (``dtype`` set), else nothing."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, x: torch.Tensor, dtype: torch.dtype | None) -> None:
+        self.context = None if dtype is None else autocast_off(x)
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+def _eligible(spec: Any) -> bool:
+    """Whether the layer is of the shape a program serves (see the module docstring); fixed for the spec's life."""
+    qkv, o, mlp = spec.qkv, spec.o, spec.mlp
+    groups = (qkv, o, mlp.gate_up, mlp.down)
+    shape = tuple(len(group.projections) for group in groups)
+    if shape != (3, 1, 2, 1) or qkv.split is not None or mlp.activation not in HIDDEN_BACKWARDS:
+        return False
+    for group in groups:
+        if group._biases is not None or group._spec.any_packed or group._lora_count != len(group.projections):
+            return False
+    if qkv._spec.grouped_scale is None or mlp.gate_up._spec.grouped_scale is None:
+        return False
+    adapters = spec._adapters
+    return all(a.requires_grad and a.dtype == adapters[0].dtype for a in adapters)
+
+
+def program_for(spec: Any, x2d: torch.Tensor, dtype: torch.dtype | None) -> LayerProgram | None:
+    """The spec's program for this call, or None where the general node must run.
+
+    Per call this costs a plan key, one dict lookup and the dtype check; the program is made the first time a key
+    finds every group's GEMM choice memoised (after the general node ran once under it)."""
+    programs = spec.programs
+    if programs is None:
+        return None
+    compute = x2d.dtype if dtype is None else dtype
+    key = (gemm_tuner.plan_key(x2d), compute)
+    program = programs.get(key, _MISSING)
+    if program is _MISSING:
+        program = _make(spec, x2d, compute)
+        if program is _MISSING:
+            return None
+        programs[key] = program
+    if program is None or not program.holds():
+        return None
+    return program
+
+
+_MISSING = object()
+
+
+def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # lora_math's cached zero scalar of this device and dtype (the same object the general node uses).
+    return unread_zero(_Like(device, dtype))
+
+
+class _Like:
+    """What :func:`unread_zero` reads of a tensor: its device and dtype."""
+
+    __slots__ = ("device", "dtype")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+
+def _make(spec: Any, x2d: torch.Tensor, compute: torch.dtype) -> LayerProgram | None | object:
+    # The groups' memo key: their input is x2d's rows in the compute dtype.
+    key = gemm_tuner.plan_key(x2d, compute)
+    accumulate = []
+    for group in (spec.qkv, spec.o, spec.mlp.gate_up, spec.mlp.down):
+        candidate = group._spec.plans.get(key)
+        if candidate is None:
+            return _MISSING  # not chosen yet: the general node chooses on its first call
+        if candidate.path not in _CUBLAS_PATHS:
+            return None
+        accumulate.append(candidate.path == _ACCUMULATE)
+    if any(w.dtype != compute for w in spec.frozen):
+        return None
+    return LayerProgram(spec, tuple(accumulate), x2d, compute)
+
+
+def programs_of(spec: Any) -> dict[Any, Any] | None:
+    """A new spec's program table, or None for a layer no program serves."""
+    return {} if _eligible(spec) else None
+
+
+__all__ = ["LayerProgram", "program_for", "programs_of"]
