@@ -5,13 +5,15 @@ its segment table, asks its memo for the GEMM order, looks for casts, sorts out 
 gathers its LoRA gradients through a pending object; the MLP and the q / k / v group with RoPE wrap that again. That
 generality costs about a quarter of a layer's host time (``bench/layer_bound.py``), paid on every layer of every step.
 
-Most layers need none of it: every projection dense and carrying LoRA, no bias, q | k | v and gate | up each under one
-scale, every adapter trainable and of one dtype, every group on torch's matmul (cuBLAS on a GPU: what the tuner picks
-for every group it has measured). For such a layer a :class:`LayerProgram` holds what the general code works out per
-call (the four groups' GEMM orders, widths, ranks and scales, whether adapters are cast) and runs the same operators
-in the same order, one line each, so the layer's numbers are the general node's bit for bit (tests/test_layer_program.
-py checks every output and gradient with ``torch.equal``). The norms, RoPE, the gate kernels and the attention are the
-same functions the general node calls.
+Most layers need none of it: every projection carrying LoRA, q | k | v and gate | up each under one scale, every
+adapter trainable and of one dtype. For such a layer a :class:`LayerProgram` holds what the general code works out per
+call (each group's GEMM candidate and order, widths, ranks and scales, whether adapters are cast) and runs the same
+operators in the same order, so the layer's numbers are the general node's bit for bit (tests/test_layer_program.py
+checks every output and gradient with ``torch.equal``). A dense group without bias on torch's matmul (cuBLAS on a GPU:
+what the tuner picks for every group it has measured on an H100) is written out one line per segment; a group with
+NF4 bases, biases or the Triton GEMM calls :func:`fastft.kernels.lora_math.run` with its candidate, as the general
+node does after its own decisions. The norms, RoPE, the gate kernels and the attention are the same functions the
+general node calls.
 
 A program is made once per layer spec, GEMM plan key and autocast dtype, and only after the general node has run once
 under that key (the tuner's choice is then in each group's memo). Anything else runs the general node.
@@ -26,7 +28,7 @@ import torch
 
 from fastft.kernels import dispatch, gemm_tuner
 from fastft.kernels.custom_ops import below_autograd
-from fastft.kernels.lora_math import unread_zero
+from fastft.kernels.lora_math import dense_bases, run, segment_shapes, unread_zero
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, HIDDEN_BACKWARDS
 from fastft.kernels.lora_projection import autocast_off
 from fastft.kernels.rms_norm import _backward as rms_norm_backward
@@ -36,8 +38,38 @@ from fastft.kernels.rope import _checked, _compute_dtype, _launch, _reference_ta
 _linear = torch.nn.functional.linear
 _ACCUMULATE = gemm_tuner.CUBLAS_ACCUMULATE.path
 _CUBLAS_PATHS = (gemm_tuner.CUBLAS.path, _ACCUMULATE)
-# Saved besides the norm weights and adapters, in this order (the general node's _Saved order).
-_SAVED = 15
+
+
+class _Group:
+    """How a program computes one group's outputs, and its base weights for dX: fixed when the program is made.
+
+    ``inline``: every segment dense, without bias, on torch's matmul: one line per segment here. Otherwise (NF4
+    bases, biases, the Triton GEMM) the group runs :func:`fastft.kernels.lora_math.run` with the tuner's candidate,
+    the call the general node makes after its own decisions."""
+
+    __slots__ = ("accumulate", "biases", "candidate", "inline", "packed", "quant_states", "shapes", "spec", "weights")
+
+    def __init__(self, group: Any, candidate: Any) -> None:
+        spec = group._spec
+        self.spec, self.candidate, self.weights = spec, candidate, group._weights
+        self.quant_states, self.biases, self.packed = group._quant_states, group._biases, spec.any_packed
+        self.shapes = segment_shapes(spec)
+        self.accumulate = candidate.path == _ACCUMULATE
+        self.inline = candidate.path in _CUBLAS_PATHS and not self.packed and self.biases is None
+
+    def run(self, x2d: torch.Tensor, xa: torch.Tensor, lora_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The outputs through :func:`lora_math.run` (the group is not ``inline``)."""
+        biases = self.biases
+        if biases is not None:
+            dtype = x2d.dtype
+            biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
+        return run(self.candidate, self.spec, x2d, self.weights, self.quant_states, xa, lora_b, biases)
+
+    def dense(self, dtype: torch.dtype) -> Sequence[torch.Tensor]:
+        """The base weights for dX: NF4 ones dequantised into the shared buffer (as the general backward does)."""
+        if self.packed:
+            return dense_bases(self.weights, self.quant_states, self.shapes, dtype)
+        return self.weights
 
 
 class LayerProgram:
@@ -47,30 +79,33 @@ class LayerProgram:
     """
 
     __slots__ = (
-        "accumulate",
         "activation",
         "adapter_dtype",
         "cast",
         "dtype",
         "gate_backward",
+        "gate_up_ranks",
+        "groups",
         "head_dim",
         "input_eps",
         "post_eps",
         "qkv_ranks",
-        "gate_up_ranks",
         "scales",
         "spec",
         "triton",
+        "weight_dtypes",
         "weights",
         "zero",
     )
 
-    def __init__(self, spec: Any, accumulate: tuple[bool, ...], x2d: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, spec: Any, candidates: Sequence[Any], x2d: torch.Tensor, dtype: torch.dtype) -> None:
         qkv, o, mlp = spec.qkv, spec.o, spec.mlp
         self.spec = spec
         self.dtype = dtype
-        self.accumulate = accumulate
+        parts = (qkv, o, mlp.gate_up, mlp.down)
+        self.groups = tuple(_Group(group, candidate) for group, candidate in zip(parts, candidates, strict=True))
         self.weights = (*qkv._weights, *o._weights, *mlp.gate_up._weights, *mlp.down._weights)
+        self.weight_dtypes = tuple(w.dtype for w in self.weights)
         self.adapter_dtype = spec._adapters[0].dtype
         self.cast = self.adapter_dtype != dtype
         self.scales = (
@@ -88,9 +123,10 @@ class LayerProgram:
         self.zero = _zero(x2d.device, dtype)
 
     def holds(self) -> bool:
-        """Whether the parameters still have the dtypes the program was made for (its key holds the compute dtype)."""
-        weight_dtype, adapter_dtype = self.dtype, self.adapter_dtype
-        return all(w.dtype == weight_dtype for w in self.weights) and all(
+        """Whether the parameters still have the dtypes the program was made for (its key holds the compute dtype):
+        ``model.to()`` swaps parameter data in place, which no plan stamp sees."""
+        adapter_dtype = self.adapter_dtype
+        return all(w.dtype == d for w, d in zip(self.weights, self.weight_dtypes, strict=True)) and all(
             a.dtype == adapter_dtype for a in self.spec._adapters
         )
 
@@ -117,9 +153,10 @@ class LayerProgram:
         aq, ak, av, bq, bk, bv, ao, bo, ag, au, ad, bg, bu, bd = adapters
         wq, wk, wv, wo, wg, wu, wd = self.weights
         s_qkv, s_o, s_gate_up, s_down = self.scales
-        acc_qkv, acc_o, acc_gate_up, acc_down = self.accumulate
+        g_qkv, g_o, g_gate_up, g_down = self.groups
         batch, seq, hidden = x.shape
         off = _Off(x, dtype)
+        zero = self.zero
         with below_autograd():
             normed, input_rstd = rms_norm_forward(x2d, input_weight, self.input_eps, 0.0, True)
             group_in = normed if dtype is None else normed.to(dtype)
@@ -130,11 +167,14 @@ class LayerProgram:
                 a_qkv, a_gate_up = torch.cat((aq, ak, av)), torch.cat((ag, au))
             with off:
                 xa_qkv = _linear(group_in, a_qkv)
-                xq, xk, xv = torch.split_with_sizes(xa_qkv, self.qkv_ranks, 1)
-                zero = self.zero
-                q = _project(group_in, wq, xq, bq, s_qkv, acc_qkv, zero)
-                k = _project(group_in, wk, xk, bk, s_qkv, acc_qkv, zero)
-                v = _project(group_in, wv, xv, bv, s_qkv, acc_qkv, zero)
+                if g_qkv.inline:
+                    xq, xk, xv = torch.split_with_sizes(xa_qkv, self.qkv_ranks, 1)
+                    acc = g_qkv.accumulate
+                    q = _project(group_in, wq, xq, bq, s_qkv, acc, zero)
+                    k = _project(group_in, wk, xk, bk, s_qkv, acc, zero)
+                    v = _project(group_in, wv, xv, bv, s_qkv, acc, zero)
+                else:
+                    q, k, v = g_qkv.run(group_in, xa_qkv, (bq, bk, bv))
                 head_dim = self.head_dim
                 q = q.view(batch, seq, -1, head_dim).transpose(1, 2)
                 k = k.view(batch, seq, -1, head_dim).transpose(1, 2)
@@ -160,18 +200,30 @@ class LayerProgram:
             o_in = attention2d if dtype is None else attention2d.to(dtype)
             with off:
                 xa_o = _linear(o_in, ao)
-                o_out = _project(o_in, wo, xa_o, bo, s_o, acc_o, zero)
+                if g_o.inline:
+                    o_out = _project(o_in, wo, xa_o, bo, s_o, g_o.accumulate, zero)
+                else:
+                    (o_out,) = g_o.run(o_in, xa_o, (bo,))
             hidden_states = x2d + o_out
             post_normed, post_rstd = rms_norm_forward(hidden_states, post_weight, self.post_eps, 0.0, True)
             mlp_in = post_normed if dtype is None else post_normed.to(dtype)
             with off:
                 xa_gate_up = _linear(mlp_in, a_gate_up)
-                xg, xu = torch.split_with_sizes(xa_gate_up, self.gate_up_ranks, 1)
-                gate = _project(mlp_in, wg, xg, bg, s_gate_up, acc_gate_up, zero)
-                up = _project(mlp_in, wu, xu, bu, s_gate_up, acc_gate_up, zero)
+                if g_gate_up.inline:
+                    xg, xu = torch.split_with_sizes(xa_gate_up, self.gate_up_ranks, 1)
+                    acc = g_gate_up.accumulate
+                    gate = _project(mlp_in, wg, xg, bg, s_gate_up, acc, zero)
+                    up = _project(mlp_in, wu, xu, bu, s_gate_up, acc, zero)
+                else:
+                    gate, up = g_gate_up.run(mlp_in, xa_gate_up, (bg, bu))
                 h = self.activation(gate, up)
                 xa_down = _linear(h, ad)
-                down = _project(h, wd, xa_down, bd, s_down, acc_down, zero) if output else None
+                down = None
+                if output:
+                    if g_down.inline:
+                        down = _project(h, wd, xa_down, bd, s_down, g_down.accumulate, zero)
+                    else:
+                        (down,) = g_down.run(h, xa_down, (bd,))
             if output:
                 result = hidden_states + down
             else:
@@ -197,24 +249,22 @@ class LayerProgram:
         ctx.stacked = None
         if cast is not None:
             bq, bk, bv, ao, bo, ad, bg, bu, bd = cast
-        wq, wk, wv, wo, wg, wu, wd = self.weights
         s_qkv, s_o, s_gate_up, s_down = self.scales
-        acc_qkv, acc_o, acc_gate_up, acc_down = self.accumulate
+        g_qkv, g_o, g_gate_up, g_down = self.groups
         batch, seq, hidden = ctx.shape
         needs = ctx.needs_input_grad
         dtype, zero = self.dtype, self.zero
-        # The LoRA gradients of a cast layer (fp32 adapters over a 16-bit base) are cast together at the end.
-        sources: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
         with below_autograd():
             grad2d = grad.reshape(-1, hidden)
             # down
             dy = grad2d if grad2d.dtype == dtype else grad2d.to(dtype)
-            d_hidden = None if acc_down else torch.mm(dy, wd)
+            (wd,) = g_down.dense(dtype)
+            d_hidden = None if g_down.accumulate else torch.mm(dy, wd)
             dyb_down = torch.mm(dy, bd)
             d_hidden = _low_rank(d_hidden, dyb_down, ad, s_down, zero)
-            if acc_down:
+            if g_down.accumulate:
                 d_hidden.addmm_(dy, wd)
+            del wd
             # the gate: H rewritten, d gate / d up written over the saved gate / up
             h, d_gate, d_up = self.gate_backward(d_hidden, gate, up, True)
             dispatch.mark_overwritten(gate, up)
@@ -224,9 +274,8 @@ class LayerProgram:
             del h
             # gate | up
             d_mlp_in, g_a_gate_up, g_b_gate_up = _grouped_backward(
-                mlp_in, xa_gate_up, (wg, wu), a_gate_up, (bg, bu), (d_gate, d_up), True, self.gate_up_ranks,
-                s_gate_up, acc_gate_up, self.cast, zero,
-            )  # fmt: skip
+                g_gate_up, mlp_in, xa_gate_up, a_gate_up, (bg, bu), (d_gate, d_up), True, s_gate_up, self.cast, zero
+            )
             # The residual stream's gradient joins the norm's in its kernel.
             fold = grad2d.dtype == hidden_states.dtype
             d_h, g_post_weight = rms_norm_backward(
@@ -236,11 +285,13 @@ class LayerProgram:
                 d_h = d_h + grad2d
             # o
             dy_o = d_h if d_h.dtype == dtype else d_h.to(dtype)
-            d_o_in = None if acc_o else torch.mm(dy_o, wo)
+            (wo,) = g_o.dense(dtype)
+            d_o_in = None if g_o.accumulate else torch.mm(dy_o, wo)
             dyb_o = torch.mm(dy_o, bo)
             d_o_in = _low_rank(d_o_in, dyb_o, ao, s_o, zero)
-            if acc_o:
+            if g_o.accumulate:
                 d_o_in.addmm_(dy_o, wo)
+            del wo
             g_ao = torch.addmm(zero, dyb_o.t(), o_in, beta=0, alpha=s_o)
             g_bo = torch.addmm(zero, dy_o.t(), xa_o, beta=0, alpha=s_o)
         query, key, value, out = ctx.graph
@@ -250,11 +301,13 @@ class LayerProgram:
             grad_out = grad_out.to(out.dtype)
         grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
         with below_autograd():
+            # An input the attention did not use has no gradient: zeros, what its absence contributes.
             grad_q, grad_k, grad_v = (
                 torch.zeros_like(leaf) if found is None else found
                 for found, leaf in zip((grad_q, grad_k, grad_v), (query, key, value), strict=True)
             )
             if self.triton:
+                # Written as [batch, seq, heads, head_dim]: the [tokens, width] views below are then free.
                 rotated = []
                 for found in (grad_q, grad_k):
                     b, heads, s, d = found.shape
@@ -267,11 +320,9 @@ class LayerProgram:
                 grad_q, grad_k = _rotate(grad_q, table, factor), _rotate(grad_k, table, factor)
             tokens = batch * seq
             flat = [g.transpose(1, 2).reshape(tokens, -1) for g in (grad_q, grad_k, grad_v)]
-            needs_x = needs[0] or needs[6]
             d_group_in, g_a_qkv, g_b_qkv = _grouped_backward(
-                group_in, xa_qkv, (wq, wk, wv), a_qkv, (bq, bk, bv), flat, needs_x, self.qkv_ranks, s_qkv, acc_qkv,
-                self.cast, zero,
-            )  # fmt: skip
+                g_qkv, group_in, xa_qkv, a_qkv, (bq, bk, bv), flat, needs[0] or needs[6], s_qkv, self.cast, zero
+            )
             grad_x = grad_input_weight = None
             fold = needs[0] and d_h.dtype == x2d.dtype
             if d_group_in is not None:
@@ -282,11 +333,9 @@ class LayerProgram:
                 grad_x = (grad_x if fold else grad_x + d_h).view(batch, seq, hidden)
             grads = (*g_a_qkv, *g_b_qkv, g_ao, g_bo, *g_a_gate_up, g_ad, *g_b_gate_up, g_bd)
             if self.cast:
-                parameters = everything[17:]
-                for found, parameter in zip(grads, parameters, strict=True):
-                    targets.append(torch.empty_like(found, dtype=parameter.dtype))
-                    sources.append(found)
-                torch._foreach_copy_(targets, sources)
+                # Computed in the compute dtype, returned in the parameters': one copy casts them all.
+                targets = [torch.empty_like(found, dtype=self.adapter_dtype) for found in grads]
+                torch._foreach_copy_(targets, list(grads))
                 grads = tuple(targets)
         return (grad_x, None, None, None, None, None, grad_input_weight, g_post_weight, *grads)
 
@@ -317,16 +366,14 @@ def _low_rank(
 
 
 def _grouped_backward(
+    group: _Group,
     x2d: torch.Tensor,
     xa: torch.Tensor,
-    weights: Sequence[torch.Tensor],
     stacked_a: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     needs_x: bool,
-    ranks: tuple[int, ...],
     scale: float,
-    accumulate: bool,
     cast: bool,
     zero: torch.Tensor,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
@@ -334,10 +381,15 @@ def _grouped_backward(
     :func:`fastft.kernels.lora_backward.backward_input` and ``finish`` compute them for it, in their order."""
     dtype = x2d.dtype
     grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
+    accumulate = group.accumulate and needs_x
+    ranks = group.spec.lora_rows
     grad_x = None
-    if needs_x and not accumulate:
-        for grad, weight in zip(grads, weights, strict=True):
-            grad_x = torch.mm(grad, weight) if grad_x is None else grad_x.addmm_(grad, weight)
+    weights: Sequence[torch.Tensor] = ()
+    if needs_x:
+        weights = group.dense(dtype)
+        if not accumulate:
+            for grad, weight in zip(grads, weights, strict=True):
+                grad_x = torch.mm(grad, weight) if grad_x is None else grad_x.addmm_(grad, weight)
     dyb = torch.empty((x2d.shape[0], xa.shape[1]), dtype=dtype, device=x2d.device)
     dyb_parts = torch.split_with_sizes(dyb, ranks, dim=1)
     for grad, b, part in zip(grads, lora_b, dyb_parts, strict=True):
@@ -348,6 +400,7 @@ def _grouped_backward(
         if accumulate:
             for grad, weight in zip(grads, weights, strict=True):
                 grad_x.addmm_(grad, weight)
+    del weights
     if cast:
         # Every dA at once; its row blocks are cast into tensors of their own afterwards.
         grad_a = list(torch.split_with_sizes(torch.addmm(zero, dyb.t(), x2d, beta=0, alpha=scale), ranks))
@@ -397,9 +450,8 @@ def _eligible(spec: Any) -> bool:
     shape = tuple(len(group.projections) for group in groups)
     if shape != (3, 1, 2, 1) or qkv.split is not None or mlp.activation not in HIDDEN_BACKWARDS:
         return False
-    for group in groups:
-        if group._biases is not None or group._spec.any_packed or group._lora_count != len(group.projections):
-            return False
+    if any(group._lora_count != len(group.projections) for group in groups):
+        return False
     if qkv._spec.grouped_scale is None or mlp.gate_up._spec.grouped_scale is None:
         return False
     adapters = spec._adapters
@@ -447,17 +499,16 @@ class _Like:
 def _make(spec: Any, x2d: torch.Tensor, compute: torch.dtype) -> LayerProgram | None | object:
     # The groups' memo key: their input is x2d's rows in the compute dtype.
     key = gemm_tuner.plan_key(x2d, compute)
-    accumulate = []
-    for group in (spec.qkv, spec.o, spec.mlp.gate_up, spec.mlp.down):
-        candidate = group._spec.plans.get(key)
-        if candidate is None:
-            return _MISSING  # not chosen yet: the general node chooses on its first call
-        if candidate.path not in _CUBLAS_PATHS:
+    groups = (spec.qkv, spec.o, spec.mlp.gate_up, spec.mlp.down)
+    candidates = [group._spec.plans.get(key) for group in groups]
+    if any(candidate is None for candidate in candidates):
+        return _MISSING  # not chosen yet: the general node chooses on its first call
+    for group in groups:
+        # A dense base of another dtype is cast on every call by the general node (what autocast would do).
+        dense = (w for w, state in zip(group._weights, group._quant_states, strict=True) if state is None)
+        if any(w.dtype != compute for w in dense):
             return None
-        accumulate.append(candidate.path == _ACCUMULATE)
-    if any(w.dtype != compute for w in spec.frozen):
-        return None
-    return LayerProgram(spec, tuple(accumulate), x2d, compute)
+    return LayerProgram(spec, candidates, x2d, compute)
 
 
 def programs_of(spec: Any) -> dict[Any, Any] | None:

@@ -97,33 +97,32 @@ def _program_of(layer: torch.nn.Module) -> dict | None:
 
 
 @pytest.mark.interpreted
-def test_a_triton_gemm_runs_the_general_node(llama_folder, programs):
-    # The tuner's Triton GEMM (the interpreter's here) is not a program's: the general node runs every call.
-    model = lora_model(llama_folder, patch=True, checkpointing=False)
+def test_triton_gemm_groups(llama_folder, programs):
+    # The tuner's Triton GEMM (the interpreter's here) runs through lora_math.run inside the program.
     with gemm_tuner.force("triton"):
-        _steps(model, _batch(512))
-    assert programs["ran"] == 0
-    layers = model.get_base_model().model.layers
-    assert all(value is None for layer in layers for value in _program_of(layer).values())
+        assert _compare(llama_folder, programs, False, _batch(512)) == 2
 
 
-def test_the_program_steps_aside_for_a_frozen_adapter_and_biases(llama_folder, smol_tokenizer, tmp_path, programs):
-    batch = _batch(512)
+@pytest.mark.parametrize("case", ["qwen2-biases", "nf4"])
+def test_biases_and_nf4_bases(llama_folder, smol_tokenizer, tmp_path, programs, monkeypatch, case):
+    # q / k / v biases (Qwen2) and QLoRA's NF4 bases (dequantised into the shared buffer, forward and backward).
+    monkeypatch.setattr(gemm_tuner, "choose", lambda *args, **kwargs: gemm_tuner.Choice(gemm_tuner.CUBLAS, "test"))
+    if case == "nf4":
+        ran = _compare(llama_folder, programs, False, _batch(512), load_in_4bit=True)
+    else:
+        folder = save_family(tmp_path, "qwen2", smol_tokenizer)
+        ran = _compare(folder, programs, True, _batch(256))
+    assert ran == (2 if case == "nf4" else 6)
+
+
+def test_the_program_steps_aside_for_a_frozen_adapter(llama_folder, programs):
     with gemm_tuner.force("cublas"):
         # A frozen adapter: its layer's plan has no program table at all; the other layer runs its program.
         model = lora_model(llama_folder, patch=True, checkpointing=False)
         layers = model.get_base_model().model.layers
         layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
-        programs["ran"] = 0
-        _steps(model, batch)
+        _steps(model, _batch(512))
         assert _program_of(layers[0]) is None and programs["ran"] == 1
-
-        # Biases on q, k and v (Qwen2): the general node.
-        qwen = lora_model(save_family(tmp_path, "qwen2", smol_tokenizer), patch=True, checkpointing=False)
-        programs["ran"] = 0
-        _steps(qwen, _batch(qwen.config.vocab_size))
-        assert programs["ran"] == 0
-        assert all(_program_of(layer) is None for layer in qwen.get_base_model().model.layers)
 
 
 def test_a_parameter_cast_in_place_sends_the_call_back_to_the_general_node(llama_folder, programs):
