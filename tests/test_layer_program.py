@@ -4,6 +4,8 @@ layers it leaves to the general node."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from parity import lora_model, make_batch, save_family
@@ -80,10 +82,14 @@ def test_the_general_nodes_bits(llama_folder, kernel_path, programs, monkeypatch
     assert ran == calls
 
 
-def test_cast_adapters_over_a_bf16_base(llama_folder, programs, monkeypatch):
-    # peft keeps fp32 adapters over a 16-bit base: one cast copy forward, the gradients cast back in one copy.
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "bf16-under-autocast"])
+def test_cast_adapters_over_a_bf16_base(llama_folder, programs, monkeypatch, autocast):
+    # peft keeps fp32 adapters over a 16-bit base: one cast copy forward, the gradients cast back in one copy. Under
+    # autocast (a Trainer's bf16=True) the norms and the attention run under it and the groups with it off.
     monkeypatch.setattr(gemm_tuner, "choose", lambda *args, **kwargs: gemm_tuner.Choice(gemm_tuner.CUBLAS, "test"))
-    ran = _compare(llama_folder, programs, False, _batch(512), dtype=torch.bfloat16)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        ran = _compare(llama_folder, programs, False, _batch(512), dtype=torch.bfloat16)
     assert ran == 2
     model = lora_model(llama_folder, patch=True, checkpointing=False, dtype=torch.bfloat16)
     adapters = [p for name, p in model.named_parameters() if "lora_" in name]
