@@ -161,18 +161,25 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     return LoRAWeights(base.weight, lora_a.weight, lora_b.weight, float(module.scaling[adapter]), bias=base.bias)
 
 
+def _weight_state(weight: torch.Tensor | None) -> tuple[Any, ...] | None:
+    # What a stamp keeps of a base weight besides its id: requires_grad, device and the NF4 quant_state. bitsandbytes
+    # repacks a CPU 4-bit weight in place and flags its quant_state (DESIGN.md, upstream traps).
+    if weight is None:
+        return None
+    quant_state = weight.__dict__.get("quant_state")
+    repacked = quant_state is not None and getattr(quant_state, "packing_format_for_cpu", False)
+    return (weight.requires_grad, weight.device, id(quant_state), repacked)
+
+
 def _linear_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     state = module.__dict__
     parameters = state["_parameters"]
     weight, bias = parameters.get("weight"), parameters.get("bias")
-    # bitsandbytes repacks a CPU 4-bit weight in place and flags its quant_state (DESIGN.md, upstream traps).
-    quant_state = None if weight is None else weight.__dict__.get("quant_state")
-    repacked = quant_state is not None and getattr(quant_state, "packing_format_for_cpu", False)
     return (
         id(module),
         id(weight),
         id(bias),
-        None if weight is None else (weight.requires_grad, weight.device, id(quant_state), repacked),
+        _weight_state(weight),
         None if bias is None else bias.requires_grad,
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
@@ -198,18 +205,30 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     base = modules.get("base_layer")
     if base is None or "lora_A" not in modules:
         return _linear_stamp(module)
+    # Seven of these run per decoder layer per call: written out as one tuple (the base's _linear_stamp, then the
+    # LoRA layer's own state) rather than through helpers, a third cheaper.
+    base_state = base.__dict__
+    parameters = base_state["_parameters"]
+    weight, bias = parameters.get("weight"), parameters.get("bias")
     active = state.get("_active_adapter")
     names = (active,) if isinstance(active, str) else tuple(active or ())
-    stamp = [
-        *_linear_stamp(base),
+    stamp = (
+        id(base),
+        id(weight),
+        id(bias),
+        _weight_state(weight),
+        None if bias is None else bias.requires_grad,
+        len(base_state["_forward_hooks"]),
+        len(base_state["_forward_pre_hooks"]),
+        "forward" in base_state or "_hf_hook" in base_state,
         id(module),
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
-        forward_replaced(state),
+        "forward" in state or "_hf_hook" in state,
         state.get("_disable_adapters"),
         names,
         len(state.get("merged_adapters", ())),
-    ]
+    )
     # Of A and B, projection_weights reads only their type and weight: the module and parameter objects say both.
     lora_a, lora_b = modules["lora_A"]._modules, modules["lora_B"]._modules
     dropout, scaling = modules.get("lora_dropout"), state.get("scaling", {})
@@ -226,7 +245,7 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
             scaling.get(name),
             None if drop is None else drop.training,
         )
-    return tuple(stamp)
+    return stamp
 
 
 def projection_objects(module: torch.nn.Module) -> list[Any]:

@@ -77,7 +77,7 @@ def _no_plan() -> None:
 def group_stamp(owner: torch.nn.Module, names: Sequence[str]) -> tuple[Any, ...]:
     """The stamp of every projection ``names`` of ``owner`` (q, k, v; gate, up, down; ...)."""
     modules = owner.__dict__["_modules"]
-    return tuple(projection_stamp(modules[name]) for name in names)
+    return tuple([projection_stamp(modules[name]) for name in names])
 
 
 def group_objects(owner: torch.nn.Module, names: Sequence[str]) -> list[Any]:
