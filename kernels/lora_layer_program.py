@@ -473,6 +473,10 @@ def program_for(spec: Any, x2d: torch.Tensor, dtype: torch.dtype | None) -> Laye
         program = _make(spec, x2d, compute)
         if program is _MISSING:
             return None
+        if len(programs) >= _MAX_PROGRAMS:
+            # Keys change with the rows' power-of-two bucket and the tuner's generation: a run whose lengths keep
+            # changing would otherwise grow the table without end.
+            programs.clear()
         programs[key] = program
     if program is None or not program.holds():
         return None
@@ -480,6 +484,7 @@ def program_for(spec: Any, x2d: torch.Tensor, dtype: torch.dtype | None) -> Laye
 
 
 _MISSING = object()
+_MAX_PROGRAMS = 32
 
 
 def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -148,3 +148,18 @@ def test_a_parameter_cast_in_place_sends_the_call_back_to_the_general_node(llama
         _steps(model, batch, steps=1)
         assert programs["ran"] == 1  # the first layer's
         assert lora_b.grad.dtype == torch.float64 and lora_b.grad.abs().sum() > 0
+
+
+def test_the_program_table_is_bounded(llama_folder, programs, monkeypatch):
+    # One program per rows bucket and tuner generation: a run whose lengths keep changing clears the table.
+    import fastft.kernels.lora_layer_program as module
+
+    monkeypatch.setattr(module, "_MAX_PROGRAMS", 1)
+    with gemm_tuner.force("cublas"):
+        model = lora_model(llama_folder, patch=True, checkpointing=False)
+        layer = model.get_base_model().model.layers[1]
+        for seq in (7, 20, 7):
+            batch = make_batch(512, batch=2, seq=seq)
+            _steps(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]})
+            (program,) = _program_of(layer).values()
+            assert isinstance(program, LayerProgram)
