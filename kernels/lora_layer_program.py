@@ -306,7 +306,9 @@ class LayerProgram:
                 torch.zeros_like(leaf) if found is None else found
                 for found, leaf in zip((grad_q, grad_k, grad_v), (query, key, value), strict=True)
             )
-            if self.triton:
+            # Asked again here, as the general node asks: a CUDA backward runs on autograd's device thread, where a
+            # thread's dispatch.force_reference() does not hold.
+            if dispatch.use_triton(grad_q):
                 # Written as [batch, seq, heads, head_dim]: the [tokens, width] views below are then free.
                 rotated = []
                 for found in (grad_q, grad_k):
