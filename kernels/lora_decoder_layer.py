@@ -24,13 +24,14 @@ tensors, same bits, without the per-call decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from fastft.kernels.custom_ops import below_autograd, direct_apply
+from fastft.kernels.layer_attention import Attend, attention_backward, graph_backward, run_attention
 from fastft.kernels.lora_group import LoRAGroup
 from fastft.kernels.lora_layer_program import program_for, programs_of
 from fastft.kernels.lora_math import cast_groups
@@ -39,9 +40,6 @@ from fastft.kernels.lora_projection import autocast_off
 from fastft.kernels.lora_qkv_rope import qkv_rope_backward, qkv_rope_forward
 from fastft.kernels.rms_norm import _backward as rms_norm_backward
 from fastft.kernels.rms_norm import _forward as rms_norm_forward
-
-# attend(q, k, v) -> the attention output as [batch, seq, heads · head_dim] (what the o projection reads).
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayerSpec:
@@ -146,16 +144,7 @@ def _forward(
             query, key, value, xa_qkv = qkv_rope_forward(
                 spec.qkv, group_in, batch, seq, cos, sin, spec.head_dim, qkv_adapters, casts[0]
             )
-    if ctx is None:
-        attention = attend(query, key, value)
-        graph = None
-    else:
-        # The attention's own graph over q, k and v only: its backward is the one thing differentiated by autograd.
-        with torch.enable_grad():
-            query, key, value = query.requires_grad_(), key.requires_grad_(), value.requires_grad_()
-            out = attend(query, key, value)
-        graph = (query, key, value, out)
-        attention = out.detach()
+    attention, graph = run_attention(attend, query, key, value, ctx is not None)
     with below_autograd():
         rest = _forward_rest(spec, x, x2d, attention, post_weight, o_adapters, mlp_adapters, casts, dtype, output)
     hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out = rest
@@ -199,68 +188,6 @@ def _forward_rest(
         # writes in its input's dtype, so this is the dtype the add would have given.
         out = hidden_states.new_empty(hidden_states.shape, dtype=torch.promote_types(hidden_states.dtype, mlp_in.dtype))
     return hidden_states, post_rstd, mlp_in, mlp_saved, o_in, xa_o, out.view(batch, seq, out.shape[-1])
-
-
-def attention_backward(
-    out: torch.Tensor, leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor
-) -> list[torch.Tensor | None]:
-    """The gradients of q, k and v (``leaves``) from the attention's output gradient.
-
-    The graph ``attend`` built is usually a chain: the attention kernel's node over the three leaves, then the views,
-    transposes and copies that lay its output out. A chain is differentiated by calling its nodes in turn, which costs
-    a fraction of a pass of the autograd engine (its graph task, ready queue and input buffers) on every layer of
-    every step. Anything else (repeated k / v heads, eager attention's matmuls, a mask that needs a gradient) goes
-    through ``torch.autograd.grad``.
-    """
-    # A node called by hand takes the gradient of its first output only.
-    chain, ends = _chain(out.grad_fn, leaves) if out.output_nr == 0 else (None, [])
-    if chain is None:
-        return list(torch.autograd.grad(out, leaves, grad, allow_unused=True))
-    flowing = grad
-    for node in chain[:-1]:
-        flowing = _as_tuple(node(flowing))[0]
-    found: list[torch.Tensor | None] = [None, None, None]
-    for end, value in zip(ends, _as_tuple(chain[-1](flowing)), strict=True):
-        if end >= 0:
-            found[end] = value
-    if any(value is None for value in found):
-        # Inside another backward that asked for some gradients only (torch.autograd.grad with inputs=, as a
-        # checkpoint's recompute does), a node called by hand computes only what that pass needs: none of this.
-        return list(torch.autograd.grad(out, leaves, grad, allow_unused=True))
-    return found
-
-
-def _chain(node: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[list[Any] | None, list[int]]:
-    """The nodes from ``node`` down to the one whose every input is a leaf (or needs no gradient), with the leaf
-    index of each of that node's inputs; ``(None, [])`` where the graph branches or ends elsewhere."""
-    chain = []
-    while node is not None:
-        chain.append(node)
-        edges = node.next_functions
-        ends = [_leaf_index(function, leaves) for function, _ in edges]
-        if all(end is not None for end in ends):
-            return chain, ends
-        if len(edges) != 1 or edges[0][1] != 0:
-            return None, []
-        node = edges[0][0]
-    return None, []
-
-
-def _leaf_index(function: Any, leaves: tuple[torch.Tensor, ...]) -> int | None:
-    """Which leaf an edge ends in (-1: an input that needs no gradient), or None for any other node."""
-    if function is None:
-        return -1
-    variable = getattr(function, "variable", None)
-    if variable is None:
-        return None
-    for index, leaf in enumerate(leaves):
-        if variable is leaf:
-            return index
-    return None
-
-
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
 
 
 def _autocast_off(x: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -390,12 +317,7 @@ class LoRADecoderLayerFunction(torch.autograd.Function):
             grad_o_in, o_a, o_b = spec.o.backward_math(
                 saved.o_in, saved.xa_o, o_adapters, [grad_hidden], o_needs, 1, o_casts
             )
-        query, key, value, out = ctx.graph
-        ctx.graph = None
-        grad_out = grad_o_in.view(out.shape)
-        if grad_out.dtype != out.dtype:
-            grad_out = grad_out.to(out.dtype)
-        grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
+        grad_q, grad_k, grad_v = graph_backward(ctx, grad_o_in, attention_backward)
         with below_autograd():
             grad_in, qkv_a, qkv_b = qkv_rope_backward(
                 spec.qkv,

@@ -28,6 +28,7 @@ import torch
 
 from fastft.kernels import dispatch, gemm_tuner
 from fastft.kernels.custom_ops import below_autograd
+from fastft.kernels.layer_attention import graph_backward, run_attention
 from fastft.kernels.lora_math import dense_bases, run, segment_shapes, unread_zero
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, HIDDEN_BACKWARDS
 from fastft.kernels.lora_projection import autocast_off
@@ -185,16 +186,7 @@ class LayerProgram:
                 else:
                     table, factor = _reference_tables(cos, sin, None, _compute_dtype(q.dtype), backward=False)
                     q, k = _rotate(q, table, factor), _rotate(k, table, factor)
-        if ctx is None:
-            attention = attend(q, k, v)
-            graph = None
-        else:
-            # The attention's own graph over q, k and v only, as the general node builds it.
-            with torch.enable_grad():
-                q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-                out = attend(q, k, v)
-            graph = (q, k, v, out)
-            attention = out.detach()
+        attention, graph = run_attention(attend, q, k, v, ctx is not None)
         with below_autograd():
             attention2d = attention.reshape(batch * seq, -1)
             o_in = attention2d if dtype is None else attention2d.to(dtype)
@@ -257,14 +249,7 @@ class LayerProgram:
         with below_autograd():
             grad2d = grad.reshape(-1, hidden)
             # down
-            dy = grad2d if grad2d.dtype == dtype else grad2d.to(dtype)
-            (wd,) = g_down.dense(dtype)
-            d_hidden = None if g_down.accumulate else torch.mm(dy, wd)
-            dyb_down = torch.mm(dy, bd)
-            d_hidden = _low_rank(d_hidden, dyb_down, ad, s_down, zero)
-            if g_down.accumulate:
-                d_hidden.addmm_(dy, wd)
-            del wd
+            d_hidden, dy, dyb_down = _single_backward(g_down, grad2d, ad, bd, s_down, zero, dtype)
             # the gate: H rewritten, d gate / d up written over the saved gate / up
             h, d_gate, d_up = self.gate_backward(d_hidden, gate, up, True)
             dispatch.mark_overwritten(gate, up)
@@ -284,27 +269,16 @@ class LayerProgram:
             if not fold:
                 d_h = d_h + grad2d
             # o
-            dy_o = d_h if d_h.dtype == dtype else d_h.to(dtype)
-            (wo,) = g_o.dense(dtype)
-            d_o_in = None if g_o.accumulate else torch.mm(dy_o, wo)
-            dyb_o = torch.mm(dy_o, bo)
-            d_o_in = _low_rank(d_o_in, dyb_o, ao, s_o, zero)
-            if g_o.accumulate:
-                d_o_in.addmm_(dy_o, wo)
-            del wo
+            d_o_in, dy_o, dyb_o = _single_backward(g_o, d_h, ao, bo, s_o, zero, dtype)
             g_ao = torch.addmm(zero, dyb_o.t(), o_in, beta=0, alpha=s_o)
             g_bo = torch.addmm(zero, dy_o.t(), xa_o, beta=0, alpha=s_o)
-        query, key, value, out = ctx.graph
-        ctx.graph = None
-        grad_out = d_o_in.view(out.shape)
-        if grad_out.dtype != out.dtype:
-            grad_out = grad_out.to(out.dtype)
-        grad_q, grad_k, grad_v = attention_backward(out, (query, key, value), grad_out)
+        leaves = ctx.graph[:3]
+        grad_q, grad_k, grad_v = graph_backward(ctx, d_o_in, attention_backward)
         with below_autograd():
             # An input the attention did not use has no gradient: zeros, what its absence contributes.
             grad_q, grad_k, grad_v = (
                 torch.zeros_like(leaf) if found is None else found
-                for found, leaf in zip((grad_q, grad_k, grad_v), (query, key, value), strict=True)
+                for found, leaf in zip((grad_q, grad_k, grad_v), leaves, strict=True)
             )
             # Asked again here, as the general node asks: a CUDA backward runs on autograd's device thread, where a
             # thread's dispatch.force_reference() does not hold.
@@ -365,6 +339,28 @@ def _low_rank(
     if grad_x is None:
         return torch.addmm(zero, dyb, a, beta=0, alpha=scale)
     return grad_x.addmm_(dyb, a, alpha=scale)
+
+
+def _single_backward(
+    group: _Group,
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    zero: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dX, dY, dY B)`` of a one-projection group (o, down) as :func:`fastft.kernels.lora_backward.backward_input`
+    computes them for it, in its order; dY in the compute dtype. The group's dA and dB are then
+    ``s (dY B)ᵀ X`` and ``s dYᵀ (X Aᵀ)``."""
+    dy = grad if grad.dtype == dtype else grad.to(dtype)
+    (weight,) = group.dense(dtype)
+    grad_x = None if group.accumulate else torch.mm(dy, weight)
+    dyb = torch.mm(dy, b)
+    grad_x = _low_rank(grad_x, dyb, a, scale, zero)
+    if group.accumulate:
+        grad_x.addmm_(dy, weight)
+    return grad_x, dy, dyb
 
 
 def _grouped_backward(
