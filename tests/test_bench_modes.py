@@ -81,6 +81,8 @@ def test_compiled_fastft_rows_run_only_when_named(tmp_path):
     choices = runs["fastft"]["fastft_gemm_choices"]
     assert {c["group"] for c in choices} == {"qkv", "o", "gate_up", "down"}
     assert all(c["path"] and c["reason"] for c in choices), choices
+    # Every fused layer of the eager row ran its straight-line program in the timed steps.
+    assert runs["fastft"]["fastft_layer_programs"] == {"fused_layers": layers, "programs": layers}
 
 
 @pytest.fixture(scope="module")

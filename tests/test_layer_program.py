@@ -13,6 +13,7 @@ from parity import lora_model, make_batch, save_family
 import fastft.kernels.lora_decoder_layer as node
 from fastft.kernels import gemm_tuner
 from fastft.kernels.lora_layer_program import LayerProgram
+from fastft.patches.fused_layer import layer_programs
 
 STEPS = 2
 
@@ -125,10 +126,12 @@ def test_the_program_steps_aside_for_a_frozen_adapter(llama_folder, programs):
     with gemm_tuner.force("cublas"):
         # A frozen adapter: its layer's plan has no program table at all; the other layer runs its program.
         model = lora_model(llama_folder, patch=True, checkpointing=False)
+        assert layer_programs(model) == {"fused_layers": 0, "programs": 0}  # no plan before the first call
         layers = model.get_base_model().model.layers
         layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
         _steps(model, _batch(512))
         assert _program_of(layers[0]) is None and programs["ran"] == 1
+        assert layer_programs(model) == {"fused_layers": 2, "programs": 1}
 
 
 def test_a_parameter_cast_in_place_sends_the_call_back_to_the_general_node(llama_folder, programs):

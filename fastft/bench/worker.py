@@ -339,6 +339,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         # What each fused group's GEMM ran (cuBLAS in either order, or a Triton configuration) and why: on a GPU the
         # tuner's timings, so a step can be read against the choice it made.
         record["fastft_gemm_choices"] = gemm_tuner.choices()
+        from fastft.patches.fused_layer import layer_programs
+
+        # How many layers ran as one fused node, and how many of them as a straight-line program (the timed steps
+        # come after the first, so every eligible layer has one by now).
+        record["fastft_layer_programs"] = layer_programs(model)
     record.update(_extras(spec, model, step, statistics.median(times), measure_module))
     return record
 

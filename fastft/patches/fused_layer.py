@@ -26,12 +26,13 @@ from fastft.checkpointing.rerun import listening, offer
 from fastft.kernels.custom_ops import compiling
 from fastft.kernels.lora_decoder_layer import DecoderLayerSpec, lora_decoder_layer
 from fastft.kernels.lora_group import LoRAGroup
+from fastft.kernels.lora_layer_program import LayerProgram
 from fastft.kernels.lora_mlp import LoRAMLP
 from fastft.kernels.lora_projection import autocast_dtype
 from fastft.patches.arguments import ArgumentReader
 from fastft.patches.decoder import Family, attention_plan, mlp_plan, rms_norm_forward
 from fastft.patches.lora_layers import forward_replaced
-from fastft.patches.plans import group_objects, group_stamp, planned
+from fastft.patches.plans import PLAN_ATTRIBUTE, group_objects, group_stamp, planned
 
 # KV-cache argument names across transformers releases (5.24, 4.56–5.23, 4.53–4.55).
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -220,4 +221,20 @@ def decoder_layer_forward(family: Family, upstream_class: type, returns_tuple: b
     return forward
 
 
-__all__ = ["decoder_layer_forward", "returns_tuple", "upstream_layer_forward"]
+def layer_programs(model: torch.nn.Module) -> dict[str, int]:
+    """How many decoder layers of ``model`` run as one fused node under their current plan (``fused_layers``), and
+    how many of those hold a straight-line program (:mod:`fastft.kernels.lora_layer_program`) for some plan key
+    (``programs``): one only after the layer's first call under that key. ``fastft bench`` records it in each fastft
+    row."""
+    fused = programs = 0
+    for module in model.modules():
+        plan = module.__dict__.get(PLAN_ATTRIBUTE)
+        value = None if plan is None else plan.value
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], DecoderLayerSpec):
+            fused += 1
+            table = value[1].programs or {}
+            programs += any(isinstance(program, LayerProgram) for program in table.values())
+    return {"fused_layers": fused, "programs": programs}
+
+
+__all__ = ["decoder_layer_forward", "layer_programs", "returns_tuple", "upstream_layer_forward"]

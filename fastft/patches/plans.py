@@ -22,7 +22,8 @@ import torch
 
 from fastft.patches.lora_layers import projection_objects, projection_stamp
 
-_ATTRIBUTE = "_fastft_plan"
+# Where a module keeps its plan (in its __dict__).
+PLAN_ATTRIBUTE = _ATTRIBUTE = "_fastft_plan"
 
 
 class Plan:
@@ -102,4 +103,4 @@ def planned(module: torch.nn.Module, stamp: Any, build: Callable[[], tuple[Any, 
     return value
 
 
-__all__ = ["Plan", "group_objects", "group_stamp", "planned"]
+__all__ = ["PLAN_ATTRIBUTE", "Plan", "group_objects", "group_stamp", "planned"]
