@@ -50,23 +50,31 @@ def attention_backward(
 ) -> list[torch.Tensor | None]:
     """The gradients of q, k and v (``leaves``) from the attention's output gradient.
 
-    The graph ``attend`` built is usually a chain: the attention kernel's node over the three leaves, then the views,
-    transposes and copies that lay its output out. A chain is differentiated by calling its nodes in turn, which costs
-    a fraction of a pass of the autograd engine (its graph task, ready queue and input buffers) on every layer of
-    every step. Anything else (repeated k / v heads, eager attention's matmuls, a mask that needs a gradient) goes
-    through ``torch.autograd.grad``.
+    The graph ``attend`` built is usually a chain with short branches: the views, transposes and copies that lay the
+    output out, down to the attention kernel's node; below it, each of its inputs is a leaf or a short chain down to
+    one (transformers' ``repeat_kv`` expanding k and v to every query head, which its sdpa path takes whenever a mask
+    is passed: any padded batch). Such a graph is differentiated by calling its nodes in turn, which costs a fraction
+    of a pass of the autograd engine (its graph task, ready queue and input buffers) on every layer of every step.
+    Anything else (eager attention's matmuls, a mask that needs a gradient) goes through ``torch.autograd.grad``.
     """
     # A node called by hand takes the gradient of its first output only.
-    chain, ends = _chain(out.grad_fn, leaves) if out.output_nr == 0 else (None, [])
-    if chain is None:
+    route = _route(out.grad_fn, leaves) if out.output_nr == 0 else None
+    if route is None:
         return list(torch.autograd.grad(out, leaves, grad, allow_unused=True))
+    chain, branches = route
     flowing = grad
     for node in chain[:-1]:
         flowing = _as_tuple(node(flowing))[0]
     found: list[torch.Tensor | None] = [None, None, None]
-    for end, value in zip(ends, _as_tuple(chain[-1](flowing)), strict=True):
-        if end >= 0:
-            found[end] = value
+    for (path, end), value in zip(branches, _as_tuple(chain[-1](flowing)), strict=True):
+        if end < 0:
+            continue
+        for node in path:
+            if value is None:
+                break
+            value = _as_tuple(node(value))[0]
+        if value is not None:
+            found[end] = value if found[end] is None else found[end] + value
     if any(value is None for value in found):
         # Inside another backward that asked for some gradients only (torch.autograd.grad with inputs=, as a
         # checkpoint's recompute does), a node called by hand computes only what that pass needs: none of this.
@@ -74,20 +82,40 @@ def attention_backward(
     return found
 
 
-def _chain(node: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[list[Any] | None, list[int]]:
-    """The nodes from ``node`` down to the one whose every input is a leaf (or needs no gradient), with the leaf
-    index of each of that node's inputs; ``(None, [])`` where the graph branches or ends elsewhere."""
+# The longest branch below the attention node walked by hand (repeat_kv's is four nodes).
+_MAX_BRANCH = 8
+
+
+def _route(node: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[list[Any], list[tuple[list[Any], int]]] | None:
+    """``(chain, branches)``: the single-input nodes from ``node`` down to the first node with several inputs or
+    with leaves only (the chain's last node), and per input of that node the single-input nodes down to a leaf with
+    the leaf's index (-1: an input that needs no gradient). None where the graph has any other shape."""
     chain = []
     while node is not None:
         chain.append(node)
         edges = node.next_functions
         ends = [_leaf_index(function, leaves) for function, _ in edges]
-        if all(end is not None for end in ends):
-            return chain, ends
-        if len(edges) != 1 or edges[0][1] != 0:
-            return None, []
-        node = edges[0][0]
-    return None, []
+        if len(edges) == 1 and ends[0] is None:
+            if edges[0][1] != 0:
+                return None
+            node = edges[0][0]
+            continue
+        branches = []
+        for (function, output), end in zip(edges, ends, strict=True):
+            path = []
+            while end is None:
+                # Each node on a branch must hand its first output's gradient on, and take one input.
+                if output != 0 or len(path) >= _MAX_BRANCH:
+                    return None
+                path.append(function)
+                below = function.next_functions
+                if len(below) != 1:
+                    return None
+                function, output = below[0]
+                end = _leaf_index(function, leaves)
+            branches.append((path, end))
+        return chain, branches
+    return None
 
 
 def _leaf_index(function: Any, leaves: tuple[torch.Tensor, ...]) -> int | None:
