@@ -103,6 +103,14 @@ def _program_of(layer: torch.nn.Module) -> dict | None:
     return spec.programs
 
 
+def test_mistral_with_its_sliding_window(smol_tokenizer, tmp_path, programs, monkeypatch):
+    # The attention function gets the layer's sliding window through the same attend closure; checkpointed, so the
+    # recompute runs the program too.
+    monkeypatch.setattr(gemm_tuner, "choose", lambda *args, **kwargs: gemm_tuner.Choice(gemm_tuner.CUBLAS, "test"))
+    folder = save_family(tmp_path, "mistral", smol_tokenizer, sliding_window=4)
+    assert _compare(folder, programs, True, _batch(256)) == 6
+
+
 @pytest.mark.interpreted
 def test_triton_gemm_groups(llama_folder, programs):
     # The tuner's Triton GEMM (the interpreter's here) runs through lora_math.run inside the program.
