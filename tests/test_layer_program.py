@@ -174,3 +174,29 @@ def test_the_program_table_is_bounded(llama_folder, programs, monkeypatch):
             _steps(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]})
             (program,) = _program_of(layer).values()
             assert isinstance(program, LayerProgram)
+
+
+def test_transformers_own_checkpointing_a_partial_grad_and_a_second_backward(llama_folder, programs, monkeypatch):
+    # transformers' non-reentrant checkpointing recomputes through the program; torch.autograd.grad over a few
+    # adapters gets the general node's values; a second backward through a spent node says so, as the general one.
+    inputs = _batch(512)
+    results = []
+    for on in (True, False):
+        programs["on"], programs["ran"] = on, 0
+        with gemm_tuner.force("cublas"):
+            model = lora_model(llama_folder, patch=True, checkpointing=False)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            loss, grads = _steps(model, inputs)
+            some = [p for name, p in model.named_parameters() if "lora_A" in name][:3]
+            partial = torch.autograd.grad(model(**inputs).loss, some)
+            assert (programs["ran"] > 0) == on
+            model.gradient_checkpointing_disable()
+            loss = model(**inputs).loss
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="backward already ran"):
+                loss.backward()
+        results.append((grads, partial))
+    (grads, partial), (expected, expected_partial) = results
+    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())
+    assert all(torch.equal(a, b) for a, b in zip(partial, expected_partial, strict=True))
