@@ -187,7 +187,7 @@ def backward_input(
         if needs_x:
             if cast_a is not None:
                 a = cast_a if columns is None else cast_a[columns]
-            grad_x = _low_rank_term(grad_x, dyb, a if a.dtype == dtype else a.to(dtype), scale)
+            grad_x = low_rank_term(grad_x, dyb, a if a.dtype == dtype else a.to(dtype), scale)
     return (_base_terms(grad_x, flat, live, dense, x_like) if accumulate else grad_x), pending
 
 
@@ -206,8 +206,9 @@ def _base_terms(
     return grad_x
 
 
-def _low_rank_term(grad_x: torch.Tensor | None, dyb: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
-    # s (dY B) A added onto grad_x, or written as its first term (beta = 0 over the cached zero: nothing read).
+def low_rank_term(grad_x: torch.Tensor | None, dyb: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    """``s (dY B) A`` added onto ``grad_x``, or written as its first term (``beta = 0`` over the cached zero: nothing
+    read)."""
     if grad_x is None:
         return torch.addmm(unread_zero(dyb), dyb, a, beta=0, alpha=scale)
     return grad_x.addmm_(dyb, a, alpha=scale)
@@ -240,10 +241,10 @@ def _grouped(
     xas = torch.split_with_sizes(xa, spec.lora_rows, dim=1)
     if needs_x:
         stacked = torch.cat(list(lora_a)) if cast_a is None else cast_a
-        grad_x = _low_rank_term(grad_x, dyb, stacked if stacked.dtype == dtype else stacked.to(dtype), scale)
+        grad_x = low_rank_term(grad_x, dyb, stacked if stacked.dtype == dtype else stacked.to(dtype), scale)
     pending._entries.append((_GROUPED, dyb, grads, xas, scale, dyb_parts))
     pending.needs_x = True
     return grad_x
 
 
-__all__ = ["PendingLoRAGrads", "backward_input"]
+__all__ = ["PendingLoRAGrads", "backward_input", "low_rank_term"]

@@ -29,7 +29,8 @@ import torch
 from fastft.kernels import dispatch, gemm_tuner
 from fastft.kernels.custom_ops import below_autograd
 from fastft.kernels.layer_attention import graph_backward, run_attention
-from fastft.kernels.lora_math import dense_bases, run, segment_shapes, unread_zero
+from fastft.kernels.lora_backward import low_rank_term
+from fastft.kernels.lora_math import cast_groups, dense_bases, run, segment_output, segment_shapes, unread_zero
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, HIDDEN_BACKWARDS
 from fastft.kernels.lora_projection import autocast_off
 from fastft.kernels.rms_norm import _backward as rms_norm_backward
@@ -157,13 +158,15 @@ class LayerProgram:
         g_qkv, g_o, g_gate_up, g_down = self.groups
         batch, seq, hidden = x.shape
         off = _Off(x, dtype)
-        zero = self.zero
         with below_autograd():
             normed, input_rstd = rms_norm_forward(x2d, input_weight, self.input_eps, 0.0, True)
             group_in = normed if dtype is None else normed.to(dtype)
             if self.cast:
-                a_qkv, a_gate_up, cast = _cast(adapters, self.qkv_ranks, self.gate_up_ranks, self.dtype)
-                bq, bk, bv, ao, bo, ad, bg, bu, bd = cast
+                # peft's fp32 adapters over a 16-bit base: every group's cast in one copy, as the general node does.
+                casts = ({}, {}, {}, {})
+                cast_groups(self.spec.lora_groups(adapters), self.dtype, casts)
+                (a_qkv, (bq, bk, bv)), (ao, (bo,)) = (casts[0]["a"], casts[0]["b"]), (casts[1]["a"], casts[1]["b"])
+                (a_gate_up, (bg, bu)), (ad, (bd,)) = (casts[2]["a"], casts[2]["b"]), (casts[3]["a"], casts[3]["b"])
             else:
                 a_qkv, a_gate_up = torch.cat((aq, ak, av)), torch.cat((ag, au))
             with off:
@@ -171,9 +174,9 @@ class LayerProgram:
                 if g_qkv.inline:
                     xq, xk, xv = torch.split_with_sizes(xa_qkv, self.qkv_ranks, 1)
                     acc = g_qkv.accumulate
-                    q = _project(group_in, wq, xq, bq, s_qkv, acc, zero)
-                    k = _project(group_in, wk, xk, bk, s_qkv, acc, zero)
-                    v = _project(group_in, wv, xv, bv, s_qkv, acc, zero)
+                    q = segment_output(group_in, wq, xq, bq, s_qkv, acc)
+                    k = segment_output(group_in, wk, xk, bk, s_qkv, acc)
+                    v = segment_output(group_in, wv, xv, bv, s_qkv, acc)
                 else:
                     q, k, v = g_qkv.run(group_in, xa_qkv, (bq, bk, bv))
                 head_dim = self.head_dim
@@ -193,7 +196,7 @@ class LayerProgram:
             with off:
                 xa_o = _linear(o_in, ao)
                 if g_o.inline:
-                    o_out = _project(o_in, wo, xa_o, bo, s_o, g_o.accumulate, zero)
+                    o_out = segment_output(o_in, wo, xa_o, bo, s_o, g_o.accumulate)
                 else:
                     (o_out,) = g_o.run(o_in, xa_o, (bo,))
             hidden_states = x2d + o_out
@@ -204,8 +207,8 @@ class LayerProgram:
                 if g_gate_up.inline:
                     xg, xu = torch.split_with_sizes(xa_gate_up, self.gate_up_ranks, 1)
                     acc = g_gate_up.accumulate
-                    gate = _project(mlp_in, wg, xg, bg, s_gate_up, acc, zero)
-                    up = _project(mlp_in, wu, xu, bu, s_gate_up, acc, zero)
+                    gate = segment_output(mlp_in, wg, xg, bg, s_gate_up, acc)
+                    up = segment_output(mlp_in, wu, xu, bu, s_gate_up, acc)
                 else:
                     gate, up = g_gate_up.run(mlp_in, xa_gate_up, (bg, bu))
                 h = self.activation(gate, up)
@@ -213,7 +216,7 @@ class LayerProgram:
                 down = None
                 if output:
                     if g_down.inline:
-                        down = _project(h, wd, xa_down, bd, s_down, g_down.accumulate, zero)
+                        down = segment_output(h, wd, xa_down, bd, s_down, g_down.accumulate)
                     else:
                         (down,) = g_down.run(h, xa_down, (bd,))
             if output:
@@ -249,7 +252,7 @@ class LayerProgram:
         with below_autograd():
             grad2d = grad.reshape(-1, hidden)
             # down
-            d_hidden, dy, dyb_down = _single_backward(g_down, grad2d, ad, bd, s_down, zero, dtype)
+            d_hidden, dy, dyb_down = _single_backward(g_down, grad2d, ad, bd, s_down, dtype)
             # the gate: H rewritten, d gate / d up written over the saved gate / up
             h, d_gate, d_up = self.gate_backward(d_hidden, gate, up, True)
             dispatch.mark_overwritten(gate, up)
@@ -269,7 +272,7 @@ class LayerProgram:
             if not fold:
                 d_h = d_h + grad2d
             # o
-            d_o_in, dy_o, dyb_o = _single_backward(g_o, d_h, ao, bo, s_o, zero, dtype)
+            d_o_in, dy_o, dyb_o = _single_backward(g_o, d_h, ao, bo, s_o, dtype)
             g_ao = torch.addmm(zero, dyb_o.t(), o_in, beta=0, alpha=s_o)
             g_bo = torch.addmm(zero, dy_o.t(), xa_o, beta=0, alpha=s_o)
         leaves = ctx.graph[:3]
@@ -316,38 +319,12 @@ class LayerProgram:
         return (grad_x, None, None, None, None, None, grad_input_weight, g_post_weight, *grads)
 
 
-def _project(
-    x2d: torch.Tensor,
-    weight: torch.Tensor,
-    low: torch.Tensor,
-    b: torch.Tensor,
-    scale: float,
-    accumulate: bool,
-    zero: torch.Tensor,
-) -> torch.Tensor:
-    # One segment's output, in the order the tuner chose (lora_math._dense): base GEMM then the low-rank term added
-    # in place, or the low-rank term first and the base GEMM accumulated onto it.
-    if accumulate:
-        return torch.addmm(zero, low, b.t(), beta=0, alpha=scale).addmm_(x2d, weight.t())
-    return _linear(x2d, weight).addmm_(low, b.t(), alpha=scale)
-
-
-def _low_rank(
-    grad_x: torch.Tensor | None, dyb: torch.Tensor, a: torch.Tensor, scale: float, zero: torch.Tensor
-) -> torch.Tensor:
-    # s (dY B) A added onto grad_x, or written as its first term (lora_backward._low_rank_term).
-    if grad_x is None:
-        return torch.addmm(zero, dyb, a, beta=0, alpha=scale)
-    return grad_x.addmm_(dyb, a, alpha=scale)
-
-
 def _single_backward(
     group: _Group,
     grad: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
     scale: float,
-    zero: torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dX, dY, dY B)`` of a one-projection group (o, down) as :func:`fastft.kernels.lora_backward.backward_input`
@@ -357,7 +334,7 @@ def _single_backward(
     (weight,) = group.dense(dtype)
     grad_x = None if group.accumulate else torch.mm(dy, weight)
     dyb = torch.mm(dy, b)
-    grad_x = _low_rank(grad_x, dyb, a, scale, zero)
+    grad_x = low_rank_term(grad_x, dyb, a, scale)
     if group.accumulate:
         grad_x.addmm_(dy, weight)
     return grad_x, dy, dyb
@@ -394,7 +371,7 @@ def _grouped_backward(
         torch.mm(grad, b, out=part)
     xas = torch.split_with_sizes(xa, ranks, dim=1)
     if needs_x:
-        grad_x = _low_rank(grad_x, dyb, stacked_a, scale, zero)
+        grad_x = low_rank_term(grad_x, dyb, stacked_a, scale)
         if accumulate:
             for grad, weight in zip(grads, weights, strict=True):
                 grad_x.addmm_(grad, weight)
@@ -406,22 +383,6 @@ def _grouped_backward(
         grad_a = [torch.addmm(zero, part.t(), x2d, beta=0, alpha=scale) for part in dyb_parts]
     grad_b = [torch.addmm(zero, grad.t(), xa_j, beta=0, alpha=scale) for grad, xa_j in zip(grads, xas, strict=True)]
     return grad_x, grad_a, grad_b
-
-
-def _cast(
-    adapters: Sequence[torch.Tensor], qkv_ranks: tuple[int, ...], gate_up_ranks: tuple[int, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The stacked q | k | v and gate | up A's and every other adapter in ``dtype``, by one ``_foreach_copy_``
-    (:func:`fastft.kernels.lora_math.cast_groups`): ``(A_qkv, A_gate_up, [B_q, B_k, B_v, A_o, B_o, A_down, B_gate,
-    B_up, B_down])``."""
-    aq, ak, av, bq, bk, bv, ao, bo, ag, au, ad, bg, bu, bd = adapters
-    a_qkv = torch.empty((sum(qkv_ranks), aq.shape[1]), dtype=dtype, device=aq.device)
-    a_gate_up = torch.empty((sum(gate_up_ranks), ag.shape[1]), dtype=dtype, device=ag.device)
-    singles = (bq, bk, bv, ao, bo, ad, bg, bu, bd)
-    cast = [torch.empty_like(t, dtype=dtype) for t in singles]
-    targets = [*a_qkv.split(qkv_ranks), *a_gate_up.split(gate_up_ranks), *cast]
-    torch._foreach_copy_(targets, [aq, ak, av, ag, au, *singles])
-    return a_qkv, a_gate_up, cast
 
 
 class _Off:

@@ -402,15 +402,28 @@ def _dense(
         if j < 0:
             outputs.append(_linear(x2d, weight, bias))
             continue
-        low_rank = parts[j]
-        if accumulate:
-            # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
-            start = unread_zero(x2d) if bias is None else bias
-            out = torch.addmm(start, low_rank, lora_b[j].t(), beta=0 if bias is None else 1, alpha=scale)
-            outputs.append(out.addmm_(x2d, weight.t()))
-        else:
-            outputs.append(_linear(x2d, weight, bias).addmm_(low_rank, lora_b[j].t(), alpha=scale))
+        outputs.append(segment_output(x2d, weight, parts[j], lora_b[j], scale, accumulate, bias))
     return outputs
+
+
+def segment_output(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    low_rank: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    accumulate: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One LoRA segment's ``X Wᵀ + b + s (X Aᵀ) Bᵀ`` on torch's matmul, ``low_rank`` being its ``X Aᵀ``: the base
+    GEMM (the bias through addmm's epilogue) then the low-rank term added in place, or with ``accumulate`` the
+    low-rank term (and the bias) first and the base GEMM accumulated onto it (gemm_tuner's two cuBLAS orders)."""
+    if accumulate:
+        # beta = 0 over the cached zero scalar: the output is only written, its shape taken from the product.
+        start = unread_zero(x2d) if bias is None else bias
+        out = torch.addmm(start, low_rank, lora_b.t(), beta=0 if bias is None else 1, alpha=scale)
+        return out.addmm_(x2d, weight.t())
+    return _linear(x2d, weight, bias).addmm_(low_rank, lora_b.t(), alpha=scale)
 
 
 __all__ = [
@@ -422,6 +435,7 @@ __all__ = [
     "forward",
     "plan",
     "run",
+    "segment_output",
     "segment_shapes",
     "spec_of",
     "unread_zero",
