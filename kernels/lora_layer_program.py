@@ -30,7 +30,7 @@ from fastft.kernels import dispatch, gemm_tuner
 from fastft.kernels.custom_ops import below_autograd
 from fastft.kernels.layer_attention import graph_backward, run_attention
 from fastft.kernels.lora_backward import low_rank_term
-from fastft.kernels.lora_math import cast_groups, dense_bases, run, segment_output, segment_shapes, unread_zero
+from fastft.kernels.lora_math import biases_in, cast_groups, dense_bases, run, segment_output, segment_shapes, zero_of
 from fastft.kernels.lora_mlp_math import ACTIVATIONS, HIDDEN_BACKWARDS
 from fastft.kernels.lora_projection import autocast_off
 from fastft.kernels.rms_norm import _backward as rms_norm_backward
@@ -61,10 +61,7 @@ class _Group:
 
     def run(self, x2d: torch.Tensor, xa: torch.Tensor, lora_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The outputs through :func:`lora_math.run` (the group is not ``inline``)."""
-        biases = self.biases
-        if biases is not None:
-            dtype = x2d.dtype
-            biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
+        biases = biases_in(self.biases, x2d.dtype)
         return run(self.candidate, self.spec, x2d, self.weights, self.quant_states, xa, lora_b, biases)
 
     def dense(self, dtype: torch.dtype) -> Sequence[torch.Tensor]:
@@ -86,12 +83,10 @@ class LayerProgram:
         "cast",
         "dtype",
         "gate_backward",
-        "gate_up_ranks",
         "groups",
         "head_dim",
         "input_eps",
         "post_eps",
-        "qkv_ranks",
         "scales",
         "spec",
         "triton",
@@ -116,13 +111,12 @@ class LayerProgram:
             mlp.gate_up._spec.grouped_scale,
             mlp.down._spec.scales[0],
         )
-        self.qkv_ranks, self.gate_up_ranks = qkv._spec.lora_rows, mlp.gate_up._spec.lora_rows
         self.activation = ACTIVATIONS[mlp.activation][0]
         self.gate_backward = HIDDEN_BACKWARDS[mlp.activation]
         self.input_eps, self.post_eps, self.head_dim = spec.input_eps, spec.post_eps, spec.head_dim
         # Which kernels the norms, RoPE and gate take depends on the device only (and the plan key's switches).
         self.triton = dispatch.use_triton(x2d)
-        self.zero = _zero(x2d.device, dtype)
+        self.zero = zero_of(x2d.device, dtype)
 
     def holds(self) -> bool:
         """Whether the parameters still have the dtypes the program was made for (its key holds the compute dtype):
@@ -172,7 +166,7 @@ class LayerProgram:
             with off:
                 xa_qkv = _linear(group_in, a_qkv)
                 if g_qkv.inline:
-                    xq, xk, xv = torch.split_with_sizes(xa_qkv, self.qkv_ranks, 1)
+                    xq, xk, xv = torch.split_with_sizes(xa_qkv, g_qkv.spec.lora_rows, 1)
                     acc = g_qkv.accumulate
                     q = segment_output(group_in, wq, xq, bq, s_qkv, acc)
                     k = segment_output(group_in, wk, xk, bk, s_qkv, acc)
@@ -205,7 +199,7 @@ class LayerProgram:
             with off:
                 xa_gate_up = _linear(mlp_in, a_gate_up)
                 if g_gate_up.inline:
-                    xg, xu = torch.split_with_sizes(xa_gate_up, self.gate_up_ranks, 1)
+                    xg, xu = torch.split_with_sizes(xa_gate_up, g_gate_up.spec.lora_rows, 1)
                     acc = g_gate_up.accumulate
                     gate = segment_output(mlp_in, wg, xg, bg, s_gate_up, acc)
                     up = segment_output(mlp_in, wu, xu, bu, s_gate_up, acc)
@@ -426,10 +420,11 @@ def program_for(spec: Any, x2d: torch.Tensor, dtype: torch.dtype | None) -> Laye
     if programs is None:
         return None
     compute = x2d.dtype if dtype is None else dtype
-    key = (gemm_tuner.plan_key(x2d), compute)
+    # The groups' own memo key: their input is x2d's rows in the compute dtype.
+    key = gemm_tuner.plan_key(x2d, compute)
     program = programs.get(key, _MISSING)
     if program is _MISSING:
-        program = _make(spec, x2d, compute)
+        program = _make(spec, key, x2d, compute)
         if program is _MISSING:
             return None
         if len(programs) >= _MAX_PROGRAMS:
@@ -446,23 +441,7 @@ _MISSING = object()
 _MAX_PROGRAMS = 32
 
 
-def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # lora_math's cached zero scalar of this device and dtype (the same object the general node uses).
-    return unread_zero(_Like(device, dtype))
-
-
-class _Like:
-    """What :func:`unread_zero` reads of a tensor: its device and dtype."""
-
-    __slots__ = ("device", "dtype")
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-
-
-def _make(spec: Any, x2d: torch.Tensor, compute: torch.dtype) -> LayerProgram | None | object:
-    # The groups' memo key: their input is x2d's rows in the compute dtype.
-    key = gemm_tuner.plan_key(x2d, compute)
+def _make(spec: Any, key: tuple, x2d: torch.Tensor, compute: torch.dtype) -> LayerProgram | None | object:
     groups = (spec.qkv, spec.o, spec.mlp.gate_up, spec.mlp.down)
     candidates = [group._spec.plans.get(key) for group in groups]
     if any(candidate is None for candidate in candidates):

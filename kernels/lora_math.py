@@ -148,11 +148,23 @@ _zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def unread_zero(like: torch.Tensor) -> torch.Tensor:
     """The ``input`` of a ``beta=0`` addmm: never read, broadcast to any shape; one per device and dtype."""
-    key = (like.device, like.dtype)
+    return zero_of(like.device, like.dtype)
+
+
+def zero_of(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`unread_zero` for a device and dtype (for a caller that holds no tensor of them yet)."""
+    key = (device, dtype)
     zero = _zeros.get(key)
     if zero is None:
-        zero = _zeros[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+        zero = _zeros[key] = torch.zeros((), device=device, dtype=dtype)
     return zero
+
+
+def biases_in(biases: Sequence[torch.Tensor | None] | None, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
+    """A group's biases in its input's dtype (a bias of another dtype cast, as autocast would), None for none."""
+    if biases is None:
+        return None
+    return [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
 
 
 def dense_bases(
@@ -270,8 +282,7 @@ def forward(
     ``casts["accumulate"]`` is set to whether the GEMM ran in the accumulate order, for the same node's backward."""
     dtype = x2d.dtype
     xa, lora_b = forward_xa(spec, x2d, lora_a, lora_b, casts)
-    if biases is not None:
-        biases = [b if b is None or b.dtype == dtype else b.to(dtype) for b in biases]
+    biases = biases_in(biases, dtype)
     candidate = plan(spec, x2d, weights, quant_states, xa, lora_b, biases)
     if casts is not None:
         # The node's backward sums its dX the same way round (lora_backward.backward_input): the order this device
@@ -427,6 +438,7 @@ def segment_output(
 
 
 __all__ = [
+    "biases_in",
     "cast_adapters",
     "cast_groups",
     "LAYOUT_FIELDS",
@@ -439,4 +451,5 @@ __all__ = [
     "segment_shapes",
     "spec_of",
     "unread_zero",
+    "zero_of",
 ]
