@@ -161,25 +161,18 @@ def projection_weights(module: torch.nn.Module, label: str, training: bool | Non
     return LoRAWeights(base.weight, lora_a.weight, lora_b.weight, float(module.scaling[adapter]), bias=base.bias)
 
 
-def _weight_state(weight: torch.Tensor | None) -> tuple[Any, ...] | None:
-    # What a stamp keeps of a base weight besides its id: requires_grad, device and the NF4 quant_state. bitsandbytes
-    # repacks a CPU 4-bit weight in place and flags its quant_state (DESIGN.md, upstream traps).
-    if weight is None:
-        return None
-    quant_state = weight.__dict__.get("quant_state")
-    repacked = quant_state is not None and getattr(quant_state, "packing_format_for_cpu", False)
-    return (weight.requires_grad, weight.device, id(quant_state), repacked)
-
-
 def _linear_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     state = module.__dict__
     parameters = state["_parameters"]
     weight, bias = parameters.get("weight"), parameters.get("bias")
+    # bitsandbytes repacks a CPU 4-bit weight in place and flags its quant_state (DESIGN.md, upstream traps).
+    quant_state = None if weight is None else weight.__dict__.get("quant_state")
+    repacked = quant_state is not None and getattr(quant_state, "packing_format_for_cpu", False)
     return (
         id(module),
         id(weight),
         id(bias),
-        _weight_state(weight),
+        None if weight is None else (weight.requires_grad, weight.device, id(quant_state), repacked),
         None if bias is None else bias.requires_grad,
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
@@ -212,7 +205,7 @@ def projection_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
         id(module),
         len(state["_forward_hooks"]),
         len(state["_forward_pre_hooks"]),
-        "forward" in state or "_hf_hook" in state,
+        forward_replaced(state),
         state.get("_disable_adapters"),
         names,
         len(state.get("merged_adapters", ())),

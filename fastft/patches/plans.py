@@ -23,7 +23,7 @@ import torch
 from fastft.patches.lora_layers import projection_objects, projection_stamp
 
 # Where a module keeps its plan (in its __dict__).
-PLAN_ATTRIBUTE = _ATTRIBUTE = "_fastft_plan"
+PLAN_ATTRIBUTE = "_fastft_plan"
 
 
 class Plan:
@@ -89,7 +89,7 @@ def group_objects(owner: torch.nn.Module, names: Sequence[str]) -> list[Any]:
 def planned(module: torch.nn.Module, stamp: Any, build: Callable[[], tuple[Any, Sequence[Any]]]) -> Any:
     """``module``'s plan for ``stamp``: the kept one when its stamp is equal, else the value of ``build()``, which
     returns ``(value, objects to keep alive)``."""
-    plan = module.__dict__.get(_ATTRIBUTE)
+    plan = module.__dict__.get(PLAN_ATTRIBUTE)
     if plan is not None:
         value = plan.find(stamp)
         if value is not _MISSING:
@@ -97,7 +97,7 @@ def planned(module: torch.nn.Module, stamp: Any, build: Callable[[], tuple[Any, 
     value, keep = build()
     if plan is None:
         # Around nn.Module.__setattr__: a plan is neither a parameter, a buffer nor a submodule.
-        module.__dict__[_ATTRIBUTE] = Plan(stamp, value, keep)
+        module.__dict__[PLAN_ATTRIBUTE] = Plan(stamp, value, keep)
     else:
         plan.add(stamp, value, keep)
     return value
