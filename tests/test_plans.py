@@ -98,7 +98,7 @@ def test_a_fused_layer_looks_up_one_plan_and_asks_again_for_a_replaced_module(mo
 
     layer = model.base_model.model.model.layers[0]
     replacement = copy.copy(layer.self_attn)  # shallow: the same projection objects, so the same stamps
-    del replacement.__dict__[plans._ATTRIBUTE]
+    del replacement.__dict__[plans.PLAN_ATTRIBUTE]
     layer.self_attn = replacement
     before = len(builds)
     again = _step(model)
